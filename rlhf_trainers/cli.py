@@ -1,0 +1,81 @@
+"""The ``rlhf-trainers`` command.
+
+``rlhf-trainers demo``  the offline end-to-end demo (see :mod:`rlhf_trainers.demo`)
+``rlhf-trainers kit``   build the offline kit (or find it in the cache) and print where its assets are
+
+Each sub-command parses its own flags from a dataclass with ``transformers.HfArgumentParser``, so
+``rlhf-trainers demo --help`` documents every field. The trainers' sub-commands (``reward``, ``ppo``,
+``rloo``) arrive with the trainers (issues #3-#6).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_COMMANDS = {
+    "demo": "offline end-to-end RLHF demo on CPU (builds the offline kit, trains, reports)",
+    "kit": "build the offline kit (tokenizer, tiny models, synthetic task) and print its paths",
+}
+
+
+@dataclass
+class KitArguments:
+    """Flags of ``rlhf-trainers kit``."""
+
+    kit_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder to build the kit in (default: $RLHF_TRAINERS_KIT_DIR, else ~/.cache/rlhf_trainers)."
+        },
+    )
+
+
+def _usage() -> str:
+    lines = ["usage: rlhf-trainers {" + ",".join(_COMMANDS) + "} [--help] [flags]", "", "commands:"]
+    lines += [f"  {name:<6} {text}" for name, text in _COMMANDS.items()]
+    lines += ["", "Run `rlhf-trainers COMMAND --help` for the flags of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rlhf-trainers`` console script. Returns the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from . import __version__
+
+        print(__version__)
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in _COMMANDS:
+        print(f"rlhf-trainers: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
+        return 2
+
+    from transformers import HfArgumentParser
+
+    if command == "demo":
+        from .demo import DemoArguments, run_demo
+
+        parser = HfArgumentParser(DemoArguments, prog="rlhf-trainers demo", description=_COMMANDS["demo"])
+        (demo_args,) = parser.parse_args_into_dataclasses(args=rest)
+        run_demo(demo_args)
+        return 0
+
+    from .testing import get_kit
+
+    parser = HfArgumentParser(KitArguments, prog="rlhf-trainers kit", description=_COMMANDS["kit"])
+    (kit_args,) = parser.parse_args_into_dataclasses(args=rest)
+    kit = get_kit(kit_args.kit_dir)
+    paths = {"root": str(kit.root), "tokenizer": str(kit.tokenizer_path)}
+    paths.update({name: str(kit.model_path(name)) for name in kit.model_names})
+    print(json.dumps(paths, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

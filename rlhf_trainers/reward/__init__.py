@@ -1,0 +1,1 @@
+"""Reward modeling: pairwise loss, metrics, normalization. Built in issue #3; nothing here yet."""

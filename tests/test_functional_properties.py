@@ -1,0 +1,477 @@
+"""Property tests (hypothesis) of rlhf_trainers.functional.
+
+Every property compares against an independent reference written here: the statistic of the
+compacted valid entries, a plain-Python GAE loop, log_softmax + gather, the defining sums.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from rlhf_trainers import functional as F
+
+FAST = settings(max_examples=60, deadline=None)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+# bf16 keeps ~3 significant digits: compare it loosely
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-10, 1e-10), torch.bfloat16: (3e-2, 3e-2)}
+
+finite = st.floats(min_value=-50, max_value=50, allow_nan=False, allow_infinity=False, width=32)
+garbage = st.sampled_from([math.nan, math.inf, -math.inf, 1e30, -7.0])
+
+
+@st.composite
+def masked_batch(draw, min_rows=1, max_rows=4, max_cols=8):
+    """(values (B, T) float64, mask (B, T) bool) with arbitrary holes, possibly all-masked rows."""
+    rows = draw(st.integers(min_rows, max_rows))
+    cols = draw(st.integers(1, max_cols))
+    values = draw(st.lists(finite, min_size=rows * cols, max_size=rows * cols))
+    mask = draw(st.lists(st.booleans(), min_size=rows * cols, max_size=rows * cols))
+    return (
+        torch.tensor(values, dtype=torch.float64).reshape(rows, cols),
+        torch.tensor(mask).reshape(rows, cols),
+    )
+
+
+def with_garbage(values, mask, fill):
+    return torch.where(mask, values, torch.full_like(values, fill))
+
+
+def as_mask_dtype(mask, kind):
+    return {"bool": mask, "long": mask.long(), "float": mask.float()}[kind]
+
+
+# ------------------------------------------------------------------------------------------------
+# masked statistics
+# ------------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(masked_batch(), st.sampled_from(DTYPES), garbage, st.sampled_from(["bool", "long", "float"]))
+def test_masked_mean_var_equal_statistics_of_compacted_valid_entries(batch, dtype, fill, mask_kind):
+    values, mask = batch
+    values = values.to(dtype)
+    dirty = with_garbage(values, mask, fill)
+    m = as_mask_dtype(mask, mask_kind)
+    atol, rtol = TOL[dtype]
+    compact = values[mask].double()
+    mean = F.masked_mean(dirty, m)
+    var = F.masked_var(dirty, m)
+    var_u = F.masked_var(dirty, m, unbiased=True)
+    assert mean.dtype == var.dtype == dtype
+    n = compact.numel()
+    exp_mean = compact.mean().item() if n else 0.0
+    exp_var = compact.var(unbiased=False).item() if n else 0.0
+    exp_var_u = compact.var(unbiased=True).item() if n >= 2 else 0.0
+    assert mean.double().item() == pytest.approx(exp_mean, abs=atol * 50, rel=rtol)
+    assert var.double().item() == pytest.approx(exp_var, abs=atol * 2500, rel=rtol * 10)
+    assert var_u.double().item() == pytest.approx(exp_var_u, abs=atol * 2500, rel=rtol * 10)
+
+
+@FAST
+@given(masked_batch(), garbage)
+def test_masked_mean_var_per_row_ignore_masked_values_and_never_nan(batch, fill):
+    values, mask = batch
+    dirty = with_garbage(values, mask, fill)
+    means = F.masked_mean(dirty, mask, dim=1)
+    variances = F.masked_var(dirty, mask, dim=1, unbiased=True)
+    assert torch.isfinite(means).all() and torch.isfinite(variances).all()
+    for i in range(values.shape[0]):
+        row = values[i][mask[i]]
+        expected_mean = row.mean().item() if row.numel() else 0.0
+        expected_var = row.var(unbiased=True).item() if row.numel() >= 2 else 0.0
+        assert means[i].item() == pytest.approx(expected_mean, abs=1e-9)
+        assert variances[i].item() == pytest.approx(expected_var, abs=1e-7, rel=1e-9)
+
+
+@FAST
+@given(masked_batch(), st.sampled_from(DTYPES), st.booleans(), st.booleans(), garbage)
+def test_whiten_equals_whitening_the_compacted_entries_and_keeps_the_rest(
+    batch, dtype, shift, unbiased, fill
+):
+    values, mask = batch
+    values = values.to(dtype)
+    dirty = with_garbage(values, mask, fill)
+    out = F.whiten(dirty, mask, shift_mean=shift, unbiased=unbiased)
+    assert out.dtype == dtype
+    compact = values[mask].double()
+    if compact.numel():
+        mean = compact.mean()
+        var = compact.var(unbiased=unbiased) if (compact.numel() >= 2 or not unbiased) else torch.tensor(0.0)
+        expected = (compact - mean) * torch.rsqrt(var.double() + 1e-8)
+        if not shift:
+            expected = expected + mean
+        atol, rtol = TOL[dtype]
+        # whitened values can reach |x| ~ 1e4 when the variance is tiny: compare relative to the scale
+        scale = max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(out[mask].double(), expected, atol=atol * scale * 10, rtol=rtol * 10)
+    # masked entries untouched, bit for bit (NaN stays NaN)
+    torch.testing.assert_close(out[~mask], dirty[~mask], equal_nan=True, atol=0, rtol=0)
+
+
+@FAST
+@given(masked_batch(min_rows=2), st.integers(1, 3), st.booleans())
+def test_whiten_with_all_reduce_equals_whole_batch(batch, split, shift):
+    values, mask = batch
+    split = min(split, values.shape[0] - 1)
+    other = torch.stack(F.masked_moments(values[split:], mask[split:]))
+
+    def all_reduce(packed):
+        return packed + other
+
+    local = F.whiten(values[:split], mask[:split], shift_mean=shift, all_reduce=all_reduce)
+    full = F.whiten(values, mask, shift_mean=shift)
+    scale = max(1.0, full.abs().max().item())
+    torch.testing.assert_close(local, full[:split], atol=1e-6 * scale, rtol=1e-6)
+
+
+@FAST
+@given(st.integers(1, 4), st.integers(0, 6), st.sampled_from(DTYPES))
+def test_all_masked_inputs_give_zero_not_nan(rows, cols, dtype):
+    values = torch.full((rows, cols), math.nan, dtype=dtype)
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    assert F.masked_mean(values, mask).item() == 0.0
+    assert F.masked_var(values, mask, unbiased=True).item() == 0.0
+    assert (F.masked_mean(values, mask, dim=1) == 0).all()
+    assert (F.masked_var(values, mask, dim=1) == 0).all()
+    assert F.explained_variance(values, values, mask).item() == 0.0
+    adv, ret = F.gae_advantages(values, values, mask)
+    assert (adv == 0).all() and (ret == 0).all()
+    loss, metrics = F.clipped_policy_loss(values, values, values, mask, dual_clip=3.0)
+    assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
+    vloss, vmetrics = F.clipped_value_loss(values, values, values, mask)
+    assert vloss.item() == 0.0 and all(v.item() == 0.0 for v in vmetrics.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# KL
+# ------------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(st.lists(st.tuples(finite, finite), min_size=1, max_size=10))
+def test_kl_estimators_k2_k3_abs_nonnegative_and_k1_antisymmetric(pairs):
+    logp = torch.tensor([a for a, _ in pairs], dtype=torch.float64)
+    ref = torch.tensor([b for _, b in pairs], dtype=torch.float64)
+    for estimator in ("k2", "k3", "abs"):
+        kl = F.kl_penalty(logp, ref, estimator)
+        assert torch.isfinite(kl).all() and (kl >= 0).all()
+    torch.testing.assert_close(F.kl_penalty(logp, ref), -F.kl_penalty(ref, logp))
+    d = (logp - ref).clamp(-20, 20)
+    torch.testing.assert_close(F.kl_penalty(logp, ref, "k3"), torch.exp(-d) - 1 + d)
+
+
+# ------------------------------------------------------------------------------------------------
+# GAE
+# ------------------------------------------------------------------------------------------------
+
+
+def python_gae(rewards, values, mask, gamma, lam):
+    advs, rets = [], []
+    for r_row, v_row, m_row in zip(rewards, values, mask, strict=True):
+        n = len(r_row)
+        adv, ret = [0.0] * n, [0.0] * n
+        next_value = last = 0.0
+        for i in reversed(range(n)):
+            if m_row[i]:
+                last = r_row[i] + gamma * next_value - v_row[i] + gamma * lam * last
+                adv[i], ret[i] = last, last + v_row[i]
+                next_value = v_row[i]
+        advs.append(adv)
+        rets.append(ret)
+    return torch.tensor(advs, dtype=torch.float64), torch.tensor(rets, dtype=torch.float64)
+
+
+@st.composite
+def gae_batch(draw):
+    values, mask = draw(masked_batch(max_cols=10))
+    rewards = draw(st.lists(finite, min_size=values.numel(), max_size=values.numel()))
+    return torch.tensor(rewards, dtype=torch.float64).reshape(values.shape), values, mask
+
+
+unit = st.floats(0.0, 1.0)
+
+
+@FAST
+@given(gae_batch(), unit, unit)
+def test_gae_matches_plain_python_loop(batch, gamma, lam):
+    rewards, values, mask = batch
+    adv, ret = F.gae_advantages(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = python_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    torch.testing.assert_close(adv, ref_adv, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ret, ref_ret, atol=1e-9, rtol=1e-9)
+
+
+@FAST
+@given(gae_batch())
+def test_gae_gamma1_lam1_returns_are_reward_to_go(batch):
+    rewards, values, mask = batch
+    adv, ret = F.gae_advantages(rewards, values, mask, 1.0, 1.0)
+    for i in range(rewards.shape[0]):
+        acc = 0.0
+        for j in reversed(range(rewards.shape[1])):
+            if mask[i, j]:
+                acc += rewards[i, j].item()
+                assert ret[i, j].item() == pytest.approx(acc, abs=1e-9)
+                assert adv[i, j].item() == pytest.approx(acc - values[i, j].item(), abs=1e-9)
+            else:
+                assert ret[i, j].item() == 0.0 and adv[i, j].item() == 0.0
+
+
+@FAST
+@given(gae_batch(), unit, unit, st.data())
+def test_gae_inserting_padding_anywhere_changes_nothing_on_valid_tokens(batch, gamma, lam, data):
+    rewards, values, mask = batch
+    B, T = rewards.shape
+    adv, ret = F.gae_advantages(rewards, values, mask, gamma, lam)
+    pads = data.draw(st.lists(st.integers(0, T), max_size=5))
+    fill = data.draw(garbage)
+    order: list[int | None] = list(range(T))
+    for pos in sorted(pads, reverse=True):
+        order.insert(pos, None)
+
+    def column(src, j, default):
+        return src[:, j] if j is not None else torch.full((B,), default, dtype=src.dtype)
+
+    r2 = torch.stack([column(rewards, j, fill) for j in order], 1)
+    v2 = torch.stack([column(values, j, -fill) for j in order], 1)
+    m2 = torch.stack([mask[:, j] if j is not None else torch.zeros(B, dtype=torch.bool) for j in order], 1)
+    adv2, ret2 = F.gae_advantages(r2, v2, m2, gamma, lam)
+    keep = torch.tensor([j is not None for j in order])
+    torch.testing.assert_close(adv2[:, keep], adv, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ret2[:, keep], ret, atol=1e-9, rtol=1e-9)
+    assert (adv2[:, ~keep] == 0).all()
+
+
+@FAST
+@given(gae_batch(), unit, unit, unit, st.floats(0.0, 2.0))
+def test_gae_decoupled_and_length_adaptive_match_plain_calls(batch, gamma, lam_v, lam_p, alpha):
+    rewards, values, mask = batch
+    adv, ret = F.gae_advantages(
+        rewards, values, mask, gamma, 0.5, lam_value=lam_v, lam_policy=lam_p, length_adaptive_alpha=alpha
+    )
+    _, ref_ret = python_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam_v)
+    torch.testing.assert_close(ret, ref_ret, atol=1e-9, rtol=1e-9)
+    for i in range(rewards.shape[0]):
+        n = int(mask[i].sum())
+        lam_i = min(max(1 - 1 / max(alpha * n, 1.0), 0.0), 1.0) if alpha > 0 else lam_p
+        ref_adv, _ = python_gae([rewards[i].tolist()], [values[i].tolist()], [mask[i].tolist()], gamma, lam_i)
+        torch.testing.assert_close(adv[i : i + 1], ref_adv, atol=1e-9, rtol=1e-9)
+
+
+@FAST
+@given(gae_batch(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_gae_low_precision_inputs_give_float32_close_to_float64(batch, dtype):
+    rewards, values, mask = batch
+    r, v = rewards.to(dtype), values.to(dtype)
+    adv, ret = F.gae_advantages(r, v, mask, 0.99, 0.95)
+    assert adv.dtype == ret.dtype == torch.float32
+    ref_adv, ref_ret = python_gae(r.double().tolist(), v.double().tolist(), mask.tolist(), 0.99, 0.95)
+    torch.testing.assert_close(adv.double(), ref_adv, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(ret.double(), ref_ret, atol=1e-3, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# RLOO
+# ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def rloo_batch(draw):
+    k = draw(st.integers(2, 5))
+    prompts = draw(st.integers(1, 4))
+    trailing = draw(st.sampled_from([(), (3,)]))
+    n = k * prompts * (trailing[0] if trailing else 1)
+    rewards = torch.tensor(draw(st.lists(finite, min_size=n, max_size=n)), dtype=torch.float64)
+    return rewards.reshape(k * prompts, *trailing), k, prompts
+
+
+@FAST
+@given(rloo_batch())
+def test_rloo_advantages_sum_to_zero_per_prompt_and_match_leave_one_out(batch):
+    rewards, k, prompts = batch
+    adv = F.rloo_advantages(rewards, k)
+    grouped = adv.reshape(k, prompts, *rewards.shape[1:])
+    torch.testing.assert_close(grouped.sum(0), torch.zeros_like(grouped[0]), atol=1e-9, rtol=0)
+    for j in range(k):
+        for i in range(prompts):
+            others = [rewards[jj * prompts + i] for jj in range(k) if jj != j]
+            expected = rewards[j * prompts + i] - torch.stack(others).mean(0)
+            torch.testing.assert_close(adv[j * prompts + i], expected)
+
+
+@FAST
+@given(rloo_batch(), st.data())
+def test_rloo_advantages_invariant_to_a_constant_per_prompt(batch, data):
+    rewards, k, prompts = batch
+    shifts = torch.tensor(
+        data.draw(st.lists(finite, min_size=prompts, max_size=prompts)), dtype=torch.float64
+    )
+    shift = shifts.reshape(1, prompts, *([1] * (rewards.dim() - 1))).expand(k, prompts, *rewards.shape[1:])
+    shifted = rewards + shift.reshape(rewards.shape)
+    torch.testing.assert_close(
+        F.rloo_advantages(shifted, k), F.rloo_advantages(rewards, k), atol=1e-9, rtol=1e-9
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# truncation
+# ------------------------------------------------------------------------------------------------
+
+STOP, PAD = 3, 0
+
+
+@st.composite
+def responses(draw):
+    rows = draw(st.integers(1, 4))
+    cols = draw(st.integers(0, 10))
+    ids = draw(st.lists(st.integers(0, 5), min_size=rows * cols, max_size=rows * cols))
+    return torch.tensor(ids, dtype=torch.long).reshape(rows, cols)
+
+
+@FAST
+@given(responses(), st.integers(0, 12), st.sampled_from([PAD, STOP, 9]))
+def test_truncate_response_is_idempotent_and_keeps_tokens_up_to_the_stop(ids, after, pad):
+    out = F.truncate_response(ids, STOP, pad, truncate_after=after)
+    again = F.truncate_response(out, STOP, pad, truncate_after=after)
+    assert torch.equal(again, out)
+    found = F.stop_token_found(ids, STOP, truncate_after=after)
+    for i, row in enumerate(ids.tolist()):
+        stops = [j for j, tok in enumerate(row) if tok == STOP and j >= after]
+        assert bool(found[i]) == bool(stops)
+        cut = stops[0] if stops else len(row) - 1
+        assert out[i, : cut + 1].tolist() == row[: cut + 1]
+        assert all(tok == pad for tok in out[i, cut + 1 :].tolist())
+
+
+@FAST
+@given(responses())
+def test_first_and_last_true_indices_match_python(ids):
+    hits = ids == STOP
+    first = F.first_true_indices(hits)
+    last = F.last_true_indices(hits.long())
+    for i, row in enumerate(hits.tolist()):
+        positions = [j for j, h in enumerate(row) if h]
+        assert first[i].item() == (positions[0] if positions else len(row))
+        assert last[i].item() == (positions[-1] if positions else -1)
+
+
+@FAST
+@given(responses())
+def test_position_ids_count_previous_valid_tokens(ids):
+    mask = ids != PAD
+    pos = F.position_ids_from_mask(mask)
+    for i, row in enumerate(mask.tolist()):
+        assert pos[i].tolist() == [sum(row[:j]) for j in range(len(row))]
+
+
+# ------------------------------------------------------------------------------------------------
+# log-probabilities
+# ------------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(
+    st.integers(1, 3),
+    st.integers(1, 6),
+    st.integers(1, 12),
+    st.floats(0.3, 3.0),
+    st.one_of(st.none(), st.integers(1, 20)),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
+def test_logprobs_from_logits_matches_log_softmax_gather(B, T, V, temperature, chunk, seed, sliced):
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(B, T + 2, V, generator=gen) * 5
+    logits = full[:, 1:-1] if sliced else full[:, :T].contiguous()
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    out = F.logprobs_from_logits(logits, tokens, temperature, chunk_size=chunk)
+    expected = torch.log_softmax(logits / temperature, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-6)
+    assert (out <= 1e-6).all()
+    entropy = F.entropy_from_logits(logits, chunk_size=chunk, temperature=temperature)
+    torch.testing.assert_close(
+        entropy, torch.distributions.Categorical(logits=logits / temperature).entropy(), atol=1e-4, rtol=1e-5
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(2, 9),
+    st.floats(0.5, 2.0),
+    st.integers(1, 7),
+    st.integers(0, 2**31 - 1),
+)
+def test_logprobs_from_logits_gradients_match_autograd(B, T, V, temperature, chunk, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, T, V, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    weights = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ours = base.clone().requires_grad_()
+    (F.logprobs_from_logits(ours, tokens, temperature, chunk_size=chunk) * weights).sum().backward()
+    ref = base.clone().requires_grad_()
+    (
+        torch.log_softmax(ref / temperature, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * weights
+    ).sum().backward()
+    torch.testing.assert_close(ours.grad, ref.grad, atol=1e-12, rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------
+# losses
+# ------------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(masked_batch(), st.floats(-1.0, 1.0), st.floats(0.05, 0.5), st.sampled_from(F.LOSS_AGG_MODES))
+def test_policy_loss_ignores_masked_tokens_and_matches_unclipped_at_ratio_one(batch, shift, clip, mode):
+    adv, mask = batch
+    lp = torch.full_like(adv, shift)
+    loss, metrics = F.clipped_policy_loss(lp, lp, adv, mask, clip, loss_agg_mode=mode)
+    # at ratio 1 nothing is clipped and the loss is -A aggregated over the valid tokens
+    per_row = [adv[i][mask[i]] for i in range(adv.shape[0])]
+    per_row = [row for row in per_row if row.numel()]
+    if mode == "token-mean":
+        expected = -torch.cat(per_row).mean().item() if per_row else 0.0
+    elif mode == "seq-mean-token-mean":
+        expected = -sum(row.mean().item() for row in per_row) / len(per_row) if per_row else 0.0
+    else:
+        expected = -sum(row.sum().item() for row in per_row) / len(per_row) if per_row else 0.0
+    assert loss.item() == pytest.approx(expected, abs=1e-9)
+    assert metrics["clipfrac"].item() == 0.0
+    dirty_lp = torch.where(mask, lp, torch.full_like(lp, 1e4))
+    dirty_adv = torch.where(mask, adv, torch.full_like(adv, math.nan))
+    loss2, _ = F.clipped_policy_loss(dirty_lp, lp, dirty_adv, mask, clip, loss_agg_mode=mode)
+    assert loss2.item() == pytest.approx(loss.item(), abs=1e-9)
+
+
+@FAST
+@given(
+    st.floats(-5.0, 5.0),
+    st.floats(-3.0, 3.0),
+    st.floats(0.05, 0.9),
+    st.floats(0.05, 2.0),
+    st.one_of(st.none(), st.floats(1.1, 10.0)),
+)
+def test_policy_loss_per_token_matches_formula(adv, log_ratio, clip_low, clip_high, dual):
+    assume(abs(adv) > 1e-6)
+    loss, _ = F.clipped_policy_loss(
+        torch.tensor([[log_ratio]], dtype=torch.float64),
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.tensor([[adv]], dtype=torch.float64),
+        torch.ones(1, 1),
+        clip_low,
+        clip_high,
+        dual,
+    )
+    ratio = math.exp(log_ratio)
+    expected = max(-adv * ratio, -adv * min(max(ratio, 1 - clip_low), 1 + clip_high))
+    if dual is not None and adv < 0:
+        expected = min(expected, -adv * dual)
+    assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
