@@ -1,0 +1,104 @@
+"""The CUDA and bf16 paths of the foundation: run only where a GPU is present (CI has none; the
+session notes of issue #2 record the run on a lent H100)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_trainers import functional as F
+from rlhf_trainers.optim import TFStyleAdam
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_gae_whiten_rloo_on_cuda_match_cpu():
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(8, 33, generator=g), torch.randn(8, 33, generator=g)
+    mask = torch.rand(8, 33, generator=g) > 0.2
+    cpu = F.gae_advantages(rewards, values, mask, gamma=0.99, lam=0.95)
+    gpu = F.gae_advantages(rewards.cuda(), values.cuda(), mask.cuda(), gamma=0.99, lam=0.95)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert b.device.type == "cuda"
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        F.whiten(rewards.cuda(), mask.cuda()).cpu(), F.whiten(rewards, mask), rtol=1e-5, atol=1e-5
+    )
+    flat = torch.randn(12, generator=g)
+    torch.testing.assert_close(F.rloo_advantages(flat.cuda(), 4).cpu(), F.rloo_advantages(flat, 4))
+
+
+def test_bf16_logprobs_with_fp32_compute_match_fp64_and_gradients():
+    g = torch.Generator().manual_seed(1)
+    logits64 = torch.randn(4, 64, 3000, generator=g, dtype=torch.float64) * 3
+    tokens = torch.randint(0, 3000, (4, 64), generator=g)
+    bf16 = logits64.to(torch.bfloat16).cuda().requires_grad_(True)
+    ref = logits64.to(torch.bfloat16).double().requires_grad_(True)  # same rounded inputs, exact math
+    ours = F.logprobs_from_logits(bf16, tokens.cuda(), 0.7, chunk_size=50, compute_dtype=torch.float32)
+    expected = torch.log_softmax(ref / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours.double().cpu(), expected, rtol=0, atol=1e-4)
+    (ours * torch.linspace(-1, 1, 64, device="cuda")).sum().backward()
+    (expected * torch.linspace(-1, 1, 64, dtype=torch.float64)).sum().backward()
+    assert bf16.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.grad.double().cpu(), ref.grad, rtol=0, atol=1e-2)
+
+
+def test_clipped_losses_on_cuda_bf16_are_finite_and_match_cpu():
+    g = torch.Generator().manual_seed(2)
+    new, old = torch.randn(6, 20, generator=g) * 0.1, torch.randn(6, 20, generator=g) * 0.1
+    adv, mask = torch.randn(6, 20, generator=g), torch.rand(6, 20, generator=g) > 0.3
+    cpu_loss, _ = F.clipped_policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    gpu_loss, metrics = F.clipped_policy_loss(
+        new.cuda(), old.cuda(), adv.cuda(), mask.cuda(), clip_low=0.2, clip_high=0.28, dual_clip=3.0
+    )
+    torch.testing.assert_close(gpu_loss.cpu(), cpu_loss, rtol=1e-5, atol=1e-6)
+    bf_loss, _ = F.clipped_policy_loss(
+        new.cuda().bfloat16(), old.cuda().bfloat16(), adv.cuda().bfloat16(), mask.cuda(), clip_low=0.2
+    )
+    assert torch.isfinite(bf_loss) and all(torch.isfinite(v).all() for v in metrics.values())
+
+
+def test_tf_style_adam_on_cuda_matches_cpu_and_keeps_fp32_state_for_bf16():
+    torch.manual_seed(0)
+    w_cpu = torch.randn(64, 32, requires_grad=True)
+    w_gpu = w_cpu.detach().cuda().requires_grad_(True)
+    opt_cpu, opt_gpu = TFStyleAdam([w_cpu], lr=1e-3, eps=1e-5), TFStyleAdam([w_gpu], lr=1e-3, eps=1e-5)
+    for step in range(5):
+        grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        w_cpu.grad, w_gpu.grad = grad.clone(), grad.cuda()
+        opt_cpu.step()
+        opt_gpu.step()
+    torch.testing.assert_close(w_gpu.detach().cpu(), w_cpu.detach(), rtol=1e-5, atol=1e-6)
+
+    w_bf16 = torch.randn(16, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    opt = TFStyleAdam([w_bf16], lr=1e-2)
+    w_bf16.grad = torch.ones_like(w_bf16)
+    opt.step()
+    state = opt.state[w_bf16]
+    assert all(v.dtype == torch.float32 for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+@pytest.mark.parametrize("name", ["llama-sft", "gpt2", "gpt_neox"])
+def test_kit_models_generate_on_cuda_in_bf16(kit, name):
+    tok = kit.load_tokenizer()
+    model = kit.load_model(name).to("cuda", torch.bfloat16)
+    batch = tok(["the movie was", "honestly , the dinner is"], return_tensors="pt", padding=True).to("cuda")
+    out = model.generate(
+        **batch, max_new_tokens=8, do_sample=True, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id
+    )
+    assert out.shape[0] == 2 and out.shape[1] > batch["input_ids"].shape[1]
+    # bf16 vs fp32 log-probs of the same tokens: the RLOO blog's "dark side" in miniature.
+    ids = out
+    mask = (ids != tok.pad_token_id).long()
+    pos = F.position_ids_from_mask(mask)
+    with torch.no_grad():
+        lp16 = F.logprobs_from_logits(
+            model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1], ids[:, 1:]
+        ).float()
+        lp32 = F.logprobs_from_logits(
+            model.float()(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1], ids[:, 1:]
+        )
+    valid = mask[:, 1:].bool()
+    assert torch.isfinite(lp16[valid]).all()
+    assert (lp16 - lp32)[valid].abs().max() < 0.5
