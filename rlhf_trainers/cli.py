@@ -57,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from transformers import HfArgumentParser
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-model "Loading weights" bars drown the demo's own output
     if command == "demo":
         from .demo import DemoArguments, run_demo
 
