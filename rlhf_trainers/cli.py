@@ -28,7 +28,7 @@ class KitArguments:
     kit_dir: str | None = field(
         default=None,
         metadata={
-            "help": "Folder to build the kit in (default: $RLHF_TRAINERS_KIT_DIR, else ~/.cache/rlhf_trainers)."
+            "help": "Folder to build the kit in (default: $RLHF_TRAINERS_KIT_DIR, else ~/.cache/rlhf_trainers/kit-<version>)."
         },
     )
 
@@ -73,7 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = HfArgumentParser(KitArguments, prog="rlhf-trainers kit", description=_COMMANDS["kit"])
     (kit_args,) = parser.parse_args_into_dataclasses(args=rest)
     kit = get_kit(kit_args.kit_dir)
-    paths = {"root": str(kit.root), "tokenizer": str(kit.tokenizer_path)}
+    paths = {
+        "root": str(kit.root),
+        "tokenizer": str(kit.tokenizer_path),
+        "tokenizer-alt": str(kit.alt_tokenizer_path),
+    }
     paths.update({name: str(kit.model_path(name)) for name in kit.model_names})
     print(json.dumps(paths, indent=2))
     return 0

@@ -2,7 +2,7 @@
 
 Tests, examples, the demo and the benchmarks need causal LMs, reward models and a task whose
 "human preference" is known, without touching the network. :func:`get_kit` builds all of that once
-into a cache folder (about 10 s on 2 CPU cores) and afterwards returns it instantly.
+into a cache folder (10-15 s on 2 CPU cores) and afterwards returns it instantly.
 
 The synthetic task
 ------------------
@@ -38,7 +38,7 @@ The assets
                        without a leading space) is one token; ``<|endoftext|>`` is eos and bos,
                        ``<|pad|>`` is pad (never equal to eos); padding side "left"; chat template
 ``tokenizer-alt``      a second, different byte-level BPE (other corpus seed, smaller vocabulary,
-                       other special-token ids) for a reward model whose tokenizer differs
+                       pad and eos at other ids) for a reward model whose tokenizer differs
 ``llama``              random ``LlamaForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 kv heads,
                        tied embeddings)
 ``gpt2``               random ``GPT2LMHeadModel`` (n_embd 64, 2 layers, 4 heads; keeps GPT-2's
@@ -60,7 +60,7 @@ untrained (scores near 0). Example::
     kit = get_kit()
     tokenizer = kit.load_tokenizer()
     policy = kit.load_model("llama-sft")
-    prompts = kit.prompt_dataset("test", n=8)["prompt"]
+    prompts = list(kit.prompt_dataset("test", n=8)["prompt"])
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     out = policy.generate(**batch, max_new_tokens=12, do_sample=True, top_k=0)
     completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -865,7 +865,7 @@ def get_kit(root: str | os.PathLike[str] | None = None) -> OfflineKit:
     """The offline kit at `root` (default :func:`default_kit_dir`), built there first if needed.
 
     The first call in a process checks the folder's manifest; a missing, incomplete, older or
-    differently-built kit is (re)built: about 10 s on 2 CPU cores. Later calls for the same folder
+    differently-built kit is (re)built: 10-15 s on 2 CPU cores. Later calls for the same folder
     return the same object instantly.
 
     Building happens in a temporary sibling folder renamed into place at the end, under a lock file
