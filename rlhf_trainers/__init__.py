@@ -31,10 +31,13 @@ from .optim import TFStyleAdam
 # ``import rlhf_trainers`` does not import transformers.
 _LAZY: dict[str, str] = {
     "testing": "rlhf_trainers.testing",
+    "RewardConfig": "rlhf_trainers.reward",
+    "RewardTrainer": "rlhf_trainers.reward",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import testing
+    from .reward import RewardConfig, RewardTrainer
 
 
 def __getattr__(name: str) -> Any:
@@ -49,6 +52,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
+    "RewardConfig",
+    "RewardTrainer",
     "TFStyleAdam",
     "__version__",
     "functional",

@@ -1,1 +1,7 @@
-"""Reward modeling: pairwise loss, metrics, normalization. Built in issue #3; nothing here yet."""
+"""Reward modeling: :class:`RewardConfig` and :class:`RewardTrainer` (Bradley-Terry loss, metrics,
+the seed's reward normalization)."""
+
+from .config import RewardConfig
+from .trainer import RewardTrainer, reward_metrics
+
+__all__ = ["RewardConfig", "RewardTrainer", "reward_metrics"]

@@ -1,0 +1,135 @@
+"""RewardConfig: the TrainingArguments of reward modeling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+LONG_PAIRS = ("truncate", "drop")
+NORMALIZATION_WHEN = ("no", "before", "after", "before_and_after")
+
+
+@dataclass
+class RewardConfig(TrainingArguments):
+    """Configuration of :class:`~rlhf_trainers.RewardTrainer`: every ``TrainingArguments`` field, plus
+    the fields below. Defaults that differ from ``TrainingArguments``: ``logging_steps=10`` and
+    ``remove_unused_columns=False`` (the trainer prepares its own columns).
+
+    The learning rate stays ``TrainingArguments``' 5e-5 and the schedule linear to zero, as the seed
+    trains its reward model (one epoch, learning rate annealed to zero).
+    """
+
+    max_length: int | None = field(
+        default=1024,
+        metadata={"help": "Maximum tokens of prompt + response per side of a pair; None disables the limit."},
+    )
+    long_pairs: str = field(
+        default="truncate",
+        metadata={
+            "help": "What to do with a pair longer than max_length: 'truncate' drops tokens from the start "
+            "(keeping the end of the response, where the reward is read) or 'drop' removes the pair. The "
+            "count is logged and kept in trainer.preprocessing_stats."
+        },
+    )
+    add_eos: bool = field(
+        default=True,
+        metadata={
+            "help": "Append the EOS token to text that does not end with it, so the reward is read at the "
+            "same token as on PPO/RLOO rollouts (which end with EOS)."
+        },
+    )
+    center_rewards_coefficient: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of an extra loss term mean((r_chosen + r_rejected)^2) that pulls rewards towards "
+            "zero mean (Eisenstein et al., 2023); e.g. 0.01. None disables it."
+        },
+    )
+    init_reward_head: bool = field(
+        default=True,
+        metadata={
+            "help": "Initialise a freshly created scalar head with weight ~ N(0, 1/sqrt(d_model + 1)) and bias 0 "
+            "(the seed's reward head). A head loaded from a checkpoint is never re-initialised."
+        },
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Set every dropout probability to 0."})
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Processes for tokenizing the datasets (datasets.map num_proc)."}
+    )
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for from_pretrained when `model` is a path or Hub id, e.g. "
+            '\'{"dtype": "bfloat16"}\' (a JSON string on the command line).'
+        },
+    )
+    reward_normalization: str = field(
+        default="no",
+        metadata={
+            "help": "When to compute the reward normalization (the seed does both): 'no', 'before', 'after' or "
+            "'before_and_after' training. It samples completions from the reference policy "
+            "(normalization_policy=) on prompts (normalization_prompts=) and sets a gain and bias so that "
+            "their rewards have mean normalization_target_mean and std normalization_target_std. The gain "
+            "and bias are stored in the model config (and reward_normalization.json) and applied by the "
+            "PPO/RLOO trainers."
+        },
+    )
+    normalization_num_samples: int = field(
+        default=1024,
+        metadata={"help": "Completions sampled (over all processes) to compute the normalization."},
+    )
+    normalization_response_length: int = field(
+        default=53, metadata={"help": "Maximum new tokens per sampled completion (the seed uses 24 or 53)."}
+    )
+    normalization_temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature for the normalization samples (top-k 0, top-p 1)."},
+    )
+    normalization_batch_size: int = field(
+        default=64,
+        metadata={"help": "Prompts per generation / scoring batch during normalization, per process."},
+    )
+    normalization_target_mean: float = field(
+        default=0.0, metadata={"help": "Target mean of normalized rewards."}
+    )
+    normalization_target_std: float = field(
+        default=1.0, metadata={"help": "Target std of normalized rewards."}
+    )
+
+    logging_steps: float = field(default=10, metadata={"help": "Log every X updates steps (ratio if < 1)."})
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Kept False: the trainer tokenizes the pairs itself and needs its own columns."},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model_init_kwargs, str):
+            import json
+
+            self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        super().__post_init__()
+        if self.long_pairs not in LONG_PAIRS:
+            raise ValueError(f"long_pairs={self.long_pairs!r}: expected one of {LONG_PAIRS}.")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length}: must be >= 2 (or None for no limit).")
+        if self.reward_normalization not in NORMALIZATION_WHEN:
+            raise ValueError(
+                f"reward_normalization={self.reward_normalization!r}: expected one of {NORMALIZATION_WHEN}."
+            )
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            raise ValueError(
+                f"center_rewards_coefficient={self.center_rewards_coefficient}: must be >= 0 or None."
+            )
+        for name in (
+            "normalization_num_samples",
+            "normalization_response_length",
+            "normalization_batch_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1.")
+        if not self.normalization_target_std > 0:
+            raise ValueError(f"normalization_target_std={self.normalization_target_std}: must be > 0.")
+        if not self.normalization_temperature > 0:
+            raise ValueError(f"normalization_temperature={self.normalization_temperature}: must be > 0.")
