@@ -11,6 +11,7 @@ gain and bias in the model's config.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import warnings
@@ -22,6 +23,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # Where the reward normalization travels: attributes of the model's config (saved in config.json),
 # and, because a PEFT adapter folder has no config.json of the base model, a small JSON file beside
@@ -209,15 +212,32 @@ def load_reward_model(
             "to replace its head, or train from the causal-LM checkpoint instead."
         )
     kwargs.setdefault("num_labels", 1)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*newly initialized.*")
-        loaded, info = AutoModelForSequenceClassification.from_pretrained(
-            model, output_loading_info=True, **kwargs
-        )
+    from transformers.utils import logging as hf_logging
+
+    # transformers prints a load report listing the new head as MISSING: expected here, and said
+    # more usefully by our own log line below.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*newly initialized.*")
+            loaded, info = AutoModelForSequenceClassification.from_pretrained(
+                model, output_loading_info=True, **kwargs
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     head_name, _ = find_score_head(loaded)
     missing = list(info.get("missing_keys", []))
     mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", [])]
     head_is_new = any(k.split(".")[0] == head_name for k in missing + mismatched)
+    if head_is_new:
+        logger.info(
+            "%s: new scalar head '%s' on the %s backbone (%s)",
+            model,
+            head_name,
+            type(loaded).__name__,
+            "initialised N(0, 1/sqrt(d_model + 1))" if init_head else "transformers' default init",
+        )
     if head_is_new and init_head:
         init_reward_head(loaded, torch.Generator().manual_seed(seed))
     stored = _read_reward_normalization(model) if Path(model).is_dir() else None

@@ -14,7 +14,8 @@ NORMALIZATION_WHEN = ("no", "before", "after", "before_and_after")
 @dataclass
 class RewardConfig(TrainingArguments):
     """Configuration of :class:`~rlhf_trainers.RewardTrainer`: every ``TrainingArguments`` field, plus
-    the fields below. Defaults that differ from ``TrainingArguments``: ``logging_steps=10`` and
+    the fields below. Defaults that differ from ``TrainingArguments``: ``num_train_epochs=1`` (the
+    seed's), ``ddp_find_unused_parameters=False``, ``logging_steps=10`` and
     ``remove_unused_columns=False`` (the trainer prepares its own columns).
 
     The learning rate stays ``TrainingArguments``' 5e-5 and the schedule linear to zero, as the seed
@@ -98,7 +99,18 @@ class RewardConfig(TrainingArguments):
         default=1.0, metadata={"help": "Target std of normalized rewards."}
     )
 
+    num_train_epochs: float = field(
+        default=1.0, metadata={"help": "Epochs over the pairs (the seed trains its reward model for one)."}
+    )
     logging_steps: float = field(default=10, metadata={"help": "Log every X updates steps (ratio if < 1)."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP's find_unused_parameters. False: every parameter of a reward model takes part in the "
+            "loss, and the search costs an extra graph traversal per step. Set True for a model that has "
+            "parameters its sequence-classification forward does not use."
+        },
+    )
     remove_unused_columns: bool = field(
         default=False,
         metadata={"help": "Kept False: the trainer tokenizes the pairs itself and needs its own columns."},

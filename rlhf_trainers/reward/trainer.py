@@ -24,6 +24,7 @@ from ..models import (
     write_reward_normalization,
 )
 from ..rewards import Prompt, compute_reward_normalization
+from ..trainer_utils import EvaluateBeforeTrainMixin
 from .config import RewardConfig
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def _pair_metrics(chosen: np.ndarray, rejected: np.ndarray) -> dict[str, float]:
     }
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
     """Trains a scalar reward model on preference pairs with the Bradley-Terry loss
     ``-log sigmoid(r_chosen - r_rejected - margin)``.
 
@@ -189,6 +190,7 @@ class RewardTrainer(Trainer):
         # The loss below is a mean over the pairs of a micro-batch: the Trainer must divide it by the
         # gradient-accumulation steps (it does so only when the model takes no loss kwargs).
         self.model_accepts_loss_kwargs = False
+        self._snapshot_deepspeed_config()
         self._pair_rewards: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._normalization_policy = normalization_policy
         self._normalization_tokenizer = normalization_tokenizer
@@ -370,6 +372,7 @@ class RewardTrainer(Trainer):
         when = self.args.reward_normalization
         if when in ("before", "before_and_after") and not kwargs.get("resume_from_checkpoint") and not args:
             self.normalize_rewards()
+        self._prepare_model_for_training()
         output = super().train(*args, **kwargs)
         if when in ("after", "before_and_after"):
             self.normalize_rewards()
