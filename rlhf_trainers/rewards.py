@@ -4,19 +4,26 @@ N-implementation-details, "Reward model normalization before and after": sample 
 reference (pretrained) policy, score them, and choose a gain ``g`` and bias ``b`` so that
 ``raw * g + b`` has the target mean and std (0 and 1 in the seed). The gain and bias live in the
 reward model's config (:mod:`rlhf_trainers.models`) and are applied wherever the model scores.
+
+:class:`RewardSources` is what the on-policy trainers (PPO, RLOO) call once per rollout batch: a reward
+model (scoring the policy's token ids directly when it shares the policy's tokenizer, re-tokenizing the
+text otherwise) and rule-based reward functions, each giving one reward per sequence, combined with
+weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import functional as F
-from .models import get_reward_normalization
+from .models import align_pad_token, check_one_label, get_reward_normalization
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -212,3 +219,541 @@ def compute_reward_normalization(
     )
     gain, bias = F.normalize_rewards_gain_bias(raw, target_mean, target_std, all_reduce=all_reduce)
     return gain, bias, raw
+
+
+# --------------------------------------------------------------------------------------------------
+# token ids scored directly, and the reward sources of the on-policy trainers
+# --------------------------------------------------------------------------------------------------
+
+RewardFunc = Callable[..., Sequence[float | None]]
+"""A rule-based reward: called as ``f(prompts=[...], completions=[...], **columns)``, it returns one
+float (or ``None``, "no reward for this row") per completion."""
+
+_FIXED_ARGS = ("prompts", "completions")
+_KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _keep_last_tokens(ids: torch.Tensor, pad_token_id: int, max_length: int) -> torch.Tensor:
+    """Each row cut to its last ``max_length`` tokens ending at its last non-pad token, left-padded.
+
+    Rows whose span (first to last non-pad token) fits are kept whole; the result is at most
+    ``max_length`` wide. Rows without any non-pad token become all padding.
+    """
+    width = ids.shape[1]
+    if width <= max_length:
+        return ids
+    positions = torch.arange(width, device=ids.device)
+    last = torch.where(ids != pad_token_id, positions, -1).max(-1).values
+    end = last + 1
+    start = (end - max_length).clamp(min=0)
+    new_width = max(int((end - start).max()), 1)
+    index = end.unsqueeze(-1) - new_width + torch.arange(new_width, device=ids.device)
+    kept = index >= start.unsqueeze(-1)
+    gathered = ids.gather(1, index.clamp(min=0))
+    return torch.where(kept, gathered, torch.full_like(gathered, pad_token_id))
+
+
+@torch.no_grad()
+def score_ids(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    pad_token_id: int,
+    *,
+    batch_size: int = 64,
+    max_length: int | None = None,
+    normalize: bool = True,
+    forward: Callable[..., Any] | None = None,
+) -> torch.Tensor:
+    """Rewards (B,) float32 on CPU of padded token ids, read at the last non-pad token of each row.
+
+    ``input_ids`` (B, T) may be padded on both sides with ``pad_token_id`` (a rollout's left-padded
+    prompt followed by its right-padded response). The attention mask is ``input_ids != pad_token_id``
+    and the position ids skip the left padding (:func:`rlhf_trainers.functional.position_ids_from_mask`),
+    so a row scores as it would alone. The score itself is the pooled logit of the
+    sequence-classification model, which transformers reads at the rightmost token that is not
+    ``config.pad_token_id``: that is the last non-pad token whatever the padding side as long as
+    ``config.pad_token_id == pad_token_id``, which is checked (:func:`rlhf_trainers.models.align_pad_token`
+    sets it). If the pad id is also the EOS id, a final EOS counts as padding and the score is read at
+    the token before it.
+
+    Args:
+        model: a one-label sequence-classification model (its parameters give the device).
+        input_ids: (B, T) token ids, on any device.
+        pad_token_id: the id the rows are padded with.
+        batch_size: rows per forward pass.
+        max_length: if given, each row keeps only its last ``max_length`` tokens (up to its last
+            non-pad token), as :func:`score_texts` cuts the start of long texts.
+        normalize: apply the gain and bias stored in the model's config.
+        forward: replaces ``model.__call__`` (e.g. a DeepSpeed engine); without it, ZeRO-3 partitioned
+            weights are gathered for the forward passes.
+
+    Raises:
+        ValueError: for ids that are not (B, T), or a model that pools at another pad id.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}.")
+    config_pad = getattr(model.config, "pad_token_id", None)
+    if config_pad != pad_token_id:
+        raise ValueError(
+            f"The reward model pools at config.pad_token_id={config_pad}, but the ids are padded with "
+            f"{pad_token_id}: the reward would be read at the wrong token. Call "
+            "rlhf_trainers.models.align_pad_token(model, tokenizer) first."
+        )
+    ids = input_ids.long()
+    if max_length is not None:
+        ids = _keep_last_tokens(ids, pad_token_id, max_length)
+    device = next(model.parameters()).device
+    gain, bias = get_reward_normalization(model) if normalize else (1.0, 0.0)
+    call = forward or model
+    gather = _full_params(model) if forward is None else contextlib.nullcontext()
+    scores = []
+    with gather:
+        for start in range(0, ids.shape[0], batch_size):
+            chunk = ids[start : start + batch_size].to(device)
+            mask = (chunk != pad_token_id).long()
+            logits = call(
+                input_ids=chunk, attention_mask=mask, position_ids=F.position_ids_from_mask(mask)
+            ).logits
+            if logits.dim() != 2 or logits.shape[-1] != 1:
+                raise ValueError(
+                    "The reward model must return pooled logits of shape (batch, 1), as a one-label "
+                    f"sequence-classification model does; got shape {tuple(logits.shape)}."
+                )
+            scores.append(logits[:, 0].float().cpu())
+    raw = torch.cat(scores) if scores else torch.zeros(0)
+    return raw * gain + bias
+
+
+def _func_name(func: Any) -> str:
+    """A readable name for a reward function (``__name__``; a partial's function; the class name)."""
+    if isinstance(func, functools.partial):
+        return _func_name(func.func)
+    name = getattr(func, "__name__", None)
+    return name if isinstance(name, str) and name else type(func).__name__
+
+
+def _unique_names(names: Sequence[str]) -> list[str]:
+    """``names`` made unique in order: the first keeps its name, later ones get ``_2``, ``_3``, ..."""
+    used: set[str] = set()
+    out = []
+    for name in names:
+        candidate, n = name, 1
+        while candidate in used:
+            n += 1
+            candidate = f"{name}_{n}"
+        used.add(candidate)
+        out.append(candidate)
+    return out
+
+
+class _FuncSpec:
+    """What a reward function accepts: ``**kwargs`` or not, its keyword parameters, the required ones."""
+
+    __slots__ = ("params", "required", "var_keyword")
+
+    def __init__(self, var_keyword: bool, params: frozenset[str], required: tuple[str, ...]) -> None:
+        self.var_keyword = var_keyword
+        self.params = params
+        self.required = required
+
+
+def _inspect_reward_func(func: Any, index: int) -> _FuncSpec:
+    """Check that ``func`` can be called as ``func(prompts=..., completions=..., **columns)``."""
+    if not callable(func):
+        raise TypeError(
+            f"reward_funcs[{index}] must be callable, a function f(prompts, completions, **kwargs) that "
+            f"returns one float per completion; got {type(func).__name__}: {func!r}."
+        )
+    name = _func_name(func)
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # some builtins: nothing to check, everything is passed
+        return _FuncSpec(True, frozenset(), ())
+    params = list(signature.parameters.values())
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    keyword = frozenset(p.name for p in params if p.kind in _KEYWORD_KINDS)
+    positional_only = [
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty
+    ]
+    missing = [arg for arg in _FIXED_ARGS if arg not in keyword]
+    if positional_only or (missing and not var_keyword):
+        example = (
+            "lambda prompts, completions, **kwargs: ..."
+            if name == "<lambda>"
+            else (f"def {name}(prompts, completions, **kwargs): ...")
+        )
+        raise TypeError(
+            f"reward function {name!r} (reward_funcs[{index}]) has the signature {signature}, but reward "
+            "functions are called with keyword arguments only: f(prompts=[...], completions=[...], "
+            "**dataset_columns). Name its parameters `prompts` and `completions` (and take the other "
+            f"columns with **kwargs), e.g. `{example}`."
+        )
+    required = tuple(
+        p.name
+        for p in params
+        if p.kind in _KEYWORD_KINDS and p.default is inspect.Parameter.empty and p.name not in _FIXED_ARGS
+    )
+    return _FuncSpec(var_keyword, keyword, required)
+
+
+def _rewards_tensor(values: Any, name: str, batch: int) -> torch.Tensor:
+    """A reward function's result as a float32 (B,) tensor, ``None`` and non-finite values as NaN."""
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
+        raise ValueError(
+            f"reward function {name!r} returned {type(values).__name__}, expected a list of {batch} floats "
+            "(one per completion, None where it has no reward)."
+        )
+    if len(values) != batch:
+        raise ValueError(
+            f"reward function {name!r} returned {len(values)} values for a batch of {batch} completions; "
+            "it must return exactly one float (or None) per completion, in order."
+        )
+    out = torch.empty(batch, dtype=torch.float32)
+    for i, value in enumerate(values):
+        if value is None:
+            out[i] = math.nan
+            continue
+        if isinstance(value, (str, bytes)):
+            raise TypeError(
+                f"reward function {name!r} returned {value!r} at index {i}; expected a float or None."
+            )
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"reward function {name!r} returned {value!r} ({type(value).__name__}) at index {i}; expected "
+                "a float or None."
+            ) from err
+        out[i] = number if math.isfinite(number) else math.nan
+    return out
+
+
+class RewardSources:
+    """The rewards of a rollout batch: a reward model and/or rule-based reward functions, weighted.
+
+    The on-policy trainers call it once per rollout batch. Each source gives one float per sequence;
+    the total is ``sum(weight * source)``.
+
+    **Reward model.** ``same_tokenizer`` is true when ``reward_tokenizer`` is None or has the policy
+    tokenizer's vocabulary (``get_vocab()``) and pad id. Then the rollout's ``query_response_ids`` are
+    scored as they are (:func:`score_ids`: attention mask ``ids != pad``, position ids that skip the left
+    padding, the score read at the last non-pad token). A response that did not stop (no EOS) is scored
+    as it is, without an EOS. Otherwise each ``prompt`` and ``completion`` are joined into a text
+    (:func:`join_prompt_completion`, chat prompts through the reward tokenizer's chat template) and
+    scored by :func:`score_texts` with the reward trainer's tokenization (EOS appended when missing).
+    Both paths apply the normalization gain and bias stored in the model, run without gradients, in
+    eval mode (the previous mode is restored), on the model's device, through ``reward_model_forward``
+    when given (a DeepSpeed engine) and else gathering ZeRO-3 partitioned weights. At construction the
+    model's ``config.pad_token_id`` is set to the pad id it will see
+    (:func:`rlhf_trainers.models.align_pad_token`): transformers pools at the rightmost token that is not
+    ``config.pad_token_id``, which is the last real token with left and right padding alike only if
+    the two ids agree.
+
+    **Reward functions** are called as ``f(prompts=list(prompts), completions=list(completions),
+    **columns)``. A function without ``**kwargs`` receives only the columns it names; a parameter without
+    a default that is neither ``prompts``/``completions`` nor a column of the batch is an error at call
+    time. A function must return one value per completion. ``None`` (no reward for that row) and
+    non-finite values become NaN in its tensor. NaN is not dropped here: a row's ``total`` is NaN when
+    any of its sources is NaN (even with weight 0), and what to do with such rows (skip, zero, combine
+    the other sources with ``nansum`` over ``per_source``) is the caller's decision. An exception inside a
+    function is raised again as a ``RuntimeError`` naming it, with the original as its cause.
+
+    Under ZeRO-3 every process must call this with the same number of rows (the same number of
+    reward-model forward passes).
+
+    Args:
+        policy_tokenizer: the policy's tokenizer; its pad id pads ``query_response_ids``.
+        reward_model: a one-label sequence-classification model (or None).
+        reward_tokenizer: the reward model's tokenizer; None means the policy's.
+        reward_funcs: one reward function or a sequence of them (or None).
+        reward_weights: one finite weight per source (reward model first, then the functions);
+            default 1.0 each.
+        batch_size: rows per reward-model forward pass.
+        max_length: if given, the reward model sees at most the last ``max_length`` tokens of each
+            sequence (its end, where the score is read).
+
+    Attributes:
+        names: one per source: ``"reward_model"`` first when there is one, then each function's
+            ``__name__``, made unique (``name``, ``name_2``, ...).
+        weights: one float per source, in the order of ``names``.
+        same_tokenizer: whether the reward model scores the policy's token ids directly.
+
+    Raises:
+        ValueError: no source; a reward model that is not a one-label sequence-classification model; a
+            reward tokenizer (or, with the policy's ids, a policy tokenizer) without a pad token; a
+            reward tokenizer without a reward model; weights of the wrong number or not finite; a
+            ``batch_size`` or ``max_length`` below 1.
+        TypeError: a reward function that is not callable or cannot take ``prompts=`` and
+            ``completions=`` as keyword arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        reward_model: PreTrainedModel | None = None,
+        reward_tokenizer: PreTrainedTokenizerBase | None = None,
+        reward_funcs: Sequence[RewardFunc] | RewardFunc | None = None,
+        reward_weights: Sequence[float] | None = None,
+        batch_size: int = 64,
+        max_length: int | None = None,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        if max_length is not None and (
+            isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
+        ):
+            raise ValueError(f"max_length must be None or an integer >= 1, got {max_length!r}.")
+        funcs = self._as_func_list(reward_funcs)
+        if reward_model is None and not funcs:
+            raise ValueError(
+                "No reward source: got reward_model=None and no reward_funcs. Pass a reward model "
+                "(reward_model=...), one or more reward functions (reward_funcs=[f, ...]), or both."
+            )
+        if reward_model is None and reward_tokenizer is not None:
+            raise ValueError(
+                "reward_tokenizer was given without a reward_model; it is only used to score with a reward "
+                "model. Pass reward_model=... as well, or drop reward_tokenizer."
+            )
+        self._specs = [_inspect_reward_func(f, i) for i, f in enumerate(funcs)]
+        self.policy_tokenizer = policy_tokenizer
+        self.reward_model = reward_model
+        self.reward_tokenizer = reward_tokenizer
+        self.reward_funcs: list[RewardFunc] = funcs
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.same_tokenizer: bool = self._is_same_tokenizer(policy_tokenizer, reward_tokenizer)
+        if reward_model is not None:
+            self._check_reward_model(reward_model, policy_tokenizer, reward_tokenizer)
+        base_names = (["reward_model"] if reward_model is not None else []) + [_func_name(f) for f in funcs]
+        self.names: list[str] = _unique_names(base_names)
+        self.weights: list[float] = self._check_weights(reward_weights, self.names)
+
+    @staticmethod
+    def _as_func_list(reward_funcs: Sequence[RewardFunc] | RewardFunc | None) -> list[RewardFunc]:
+        if reward_funcs is None:
+            return []
+        if callable(reward_funcs):
+            return [reward_funcs]
+        if isinstance(reward_funcs, (str, bytes)) or not isinstance(reward_funcs, Sequence):
+            raise TypeError(
+                "reward_funcs must be a callable or a list of callables f(prompts, completions, **kwargs), "
+                f"got {type(reward_funcs).__name__}: {reward_funcs!r}."
+            )
+        return list(reward_funcs)
+
+    @staticmethod
+    def _is_same_tokenizer(
+        policy_tokenizer: PreTrainedTokenizerBase, reward_tokenizer: PreTrainedTokenizerBase | None
+    ) -> bool:
+        if reward_tokenizer is None or reward_tokenizer is policy_tokenizer:
+            return True
+        return (
+            reward_tokenizer.pad_token_id == policy_tokenizer.pad_token_id
+            and reward_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        )
+
+    def _check_reward_model(
+        self,
+        reward_model: PreTrainedModel,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        reward_tokenizer: PreTrainedTokenizerBase | None,
+    ) -> None:
+        check_one_label(reward_model)
+        if reward_tokenizer is not None and reward_tokenizer.pad_token_id is None:
+            raise ValueError(
+                "reward_tokenizer has no pad token, which batched scoring needs. Give it one, e.g. "
+                "reward_tokenizer.pad_token = reward_tokenizer.eos_token (or add a dedicated '<|pad|>' "
+                "token and resize the reward model's embeddings), or pass the tokenizer saved with the "
+                "reward model."
+            )
+        if self.same_tokenizer and policy_tokenizer.pad_token_id is None:
+            raise ValueError(
+                "policy_tokenizer has no pad token, but the reward model scores the policy's padded token "
+                "ids with it. Give the policy tokenizer a pad token (a dedicated one, distinct from EOS, "
+                "as the seed does) before training."
+            )
+        align_pad_token(reward_model, policy_tokenizer if self.same_tokenizer else reward_tokenizer)
+
+    @staticmethod
+    def _check_weights(reward_weights: Sequence[float] | None, names: list[str]) -> list[float]:
+        if reward_weights is None:
+            return [1.0] * len(names)
+        if isinstance(reward_weights, (str, bytes)) or not isinstance(reward_weights, Sequence):
+            raise ValueError(
+                f"reward_weights must be a list of {len(names)} floats (one per source: {names}), got "
+                f"{type(reward_weights).__name__}: {reward_weights!r}."
+            )
+        if len(reward_weights) != len(names):
+            raise ValueError(
+                f"reward_weights has {len(reward_weights)} values but there are {len(names)} reward "
+                f"sources {names} (the reward model first, then the functions); give one weight per "
+                "source, or none for 1.0 each."
+            )
+        weights = []
+        for name, weight in zip(names, reward_weights, strict=True):
+            try:
+                value = float(weight) if not isinstance(weight, (str, bytes)) else math.nan
+            except (TypeError, ValueError):
+                value = math.nan
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"reward_weights must be finite floats; the weight of {name!r} is {weight!r}. Use 0.0 "
+                    "to log a source without it counting in the reward."
+                )
+            weights.append(value)
+        return weights
+
+    def __repr__(self) -> str:
+        sources = ", ".join(f"{n}={w:g}" for n, w in zip(self.names, self.weights, strict=True))
+        return f"{type(self).__name__}({sources}, same_tokenizer={self.same_tokenizer})"
+
+    def __call__(
+        self,
+        *,
+        query_response_ids: torch.Tensor,
+        prompts: Sequence[Prompt],
+        completions: Sequence[str],
+        columns: Mapping[str, Sequence[Any]] | None = None,
+        reward_model_forward: Callable[..., Any] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Score a rollout batch with every source.
+
+        Args:
+            query_response_ids: (B, T) left-padded prompt ids followed by the response ids, the response
+                right-padded after it stops; both paddings use the policy tokenizer's pad id.
+            prompts: the B prompts as in the dataset (strings or lists of ``{"role", "content"}``).
+            completions: the B decoded responses (special tokens skipped).
+            columns: the other dataset columns of these rows, each a sequence of length B, passed to
+                the reward functions as keyword arguments.
+            reward_model_forward: replaces ``reward_model.__call__`` (e.g. a DeepSpeed engine).
+
+        Returns:
+            ``(total, per_source)``: ``per_source[name]`` a float32 (B,) CPU tensor per source (in the
+            order of ``names``, NaN where a function gave None or a non-finite value), and
+            ``total = sum(weight * per_source[name])`` (NaN where any source is NaN).
+
+        Raises:
+            ValueError: inputs of mismatched lengths; a column named like a fixed argument; a reward
+                function missing a column it requires or returning the wrong number of values.
+            TypeError: a reward function returning something other than floats/None.
+            RuntimeError: a reward function raised (the original exception is the cause).
+        """
+        prompts, completions = list(prompts), list(completions)
+        batch = len(prompts)
+        self._check_batch(query_response_ids, completions, columns, batch)
+        columns = dict(columns or {})
+        self._check_required_columns(columns)
+        per_source: dict[str, torch.Tensor] = {}
+        names = iter(self.names)
+        if self.reward_model is not None:
+            per_source[next(names)] = self._score_with_model(
+                query_response_ids, prompts, completions, reward_model_forward
+            )
+        for func, spec, name in zip(self.reward_funcs, self._specs, names, strict=True):
+            per_source[name] = self._run_func(func, spec, name, prompts, completions, columns, batch)
+        total = torch.zeros(batch, dtype=torch.float32)
+        for name, weight in zip(self.names, self.weights, strict=True):
+            total = total + weight * per_source[name]
+        return total, per_source
+
+    @staticmethod
+    def _check_batch(
+        query_response_ids: torch.Tensor,
+        completions: list[str],
+        columns: Mapping[str, Sequence[Any]] | None,
+        batch: int,
+    ) -> None:
+        if len(completions) != batch:
+            raise ValueError(
+                f"got {batch} prompts but {len(completions)} completions; give one completion per prompt."
+            )
+        if not isinstance(query_response_ids, torch.Tensor) or query_response_ids.dim() != 2:
+            shape = tuple(query_response_ids.shape) if isinstance(query_response_ids, torch.Tensor) else None
+            raise ValueError(
+                f"query_response_ids must be a (batch, length) tensor, got "
+                f"{type(query_response_ids).__name__} of shape {shape}."
+            )
+        if query_response_ids.shape[0] != batch:
+            raise ValueError(
+                f"query_response_ids has {query_response_ids.shape[0]} rows but there are {batch} prompts; "
+                "the rows must be the same sequences, in the same order."
+            )
+        for key, values in (columns or {}).items():
+            if key in _FIXED_ARGS:
+                raise ValueError(
+                    f"columns must not contain {key!r}: reward functions get prompts= and completions= from "
+                    "the rollout. Rename that dataset column."
+                )
+            if len(values) != batch:
+                raise ValueError(
+                    f"column {key!r} has {len(values)} values for a batch of {batch}; give one per row."
+                )
+
+    def _check_required_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
+        """Every function's parameters without defaults are columns (checked before anything runs)."""
+        func_names = self.names[len(self.names) - len(self.reward_funcs) :]
+        for spec, name in zip(self._specs, func_names, strict=True):
+            missing = [p for p in spec.required if p not in columns]
+            if missing:
+                raise ValueError(
+                    f"reward function {name!r} requires the argument(s) {missing}, which are not columns of "
+                    f"the batch (columns: {sorted(columns)}). Add those columns to the dataset or give the "
+                    "parameters default values."
+                )
+
+    def _score_with_model(
+        self,
+        query_response_ids: torch.Tensor,
+        prompts: list[Prompt],
+        completions: list[str],
+        forward: Callable[..., Any] | None,
+    ) -> torch.Tensor:
+        model = self.reward_model
+        assert model is not None
+        was_training = model.training
+        model.eval()
+        try:
+            if self.same_tokenizer:
+                return score_ids(
+                    model,
+                    query_response_ids,
+                    self.policy_tokenizer.pad_token_id,
+                    batch_size=self.batch_size,
+                    max_length=self.max_length,
+                    forward=forward,
+                )
+            texts = [
+                join_prompt_completion(p, c, self.reward_tokenizer)
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+            return score_texts(
+                model,
+                self.reward_tokenizer,
+                texts,
+                batch_size=self.batch_size,
+                max_length=self.max_length,
+                add_eos=True,
+                forward=forward,
+            )
+        finally:
+            model.train(was_training)
+
+    @staticmethod
+    def _run_func(
+        func: RewardFunc,
+        spec: _FuncSpec,
+        name: str,
+        prompts: list[Prompt],
+        completions: list[str],
+        columns: dict[str, Sequence[Any]],
+        batch: int,
+    ) -> torch.Tensor:
+        kwargs = {k: list(v) for k, v in columns.items() if spec.var_keyword or k in spec.params}
+        try:
+            values = func(prompts=list(prompts), completions=list(completions), **kwargs)
+        except Exception as err:
+            raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
+        return _rewards_tensor(values, name, batch)
