@@ -1,4 +1,4 @@
-"""Datasets to tokens: preference pairs for the reward model (prompt datasets for PPO/RLOO come later).
+"""Datasets to tokens: preference pairs for the reward model, prompts for the on-policy trainers.
 
 Preference data
 ---------------
@@ -21,13 +21,33 @@ by the margin variant of the pairwise loss. Other columns are ignored.
 :func:`tokenize_preferences` turns any of them into ``input_ids_chosen``, ``input_ids_rejected`` (unpadded)
 and ``margin``, and :class:`PreferenceCollator` pads a list of such rows into one batch holding the chosen
 sequences and then the rejected ones, so that a single forward pass scores both.
+
+Prompt data
+-----------
+PPO and RLOO generate their own completions, so they only need prompts. Three layouts
+(:data:`PROMPT_FORMATS`) are accepted; :func:`detect_prompt_format` looks at the column ``prompt``, else
+``messages``, else ``input_ids``:
+
+=================  ==========================  ===============================================================
+format             column                      values
+=================  ==========================  ===============================================================
+``text``           prompt                      strings
+``conversational`` prompt (or messages)        lists of ``{"role", "content"}`` messages, not ending with an
+                                               assistant turn
+``tokenized``      input_ids                   lists of token ids, used as given
+=================  ==========================  ===============================================================
+
+:func:`tokenize_prompts` adds (or, for ``tokenized``, validates) an ``input_ids`` column and keeps every
+other column, so reward functions still see the prompt text and any extra columns (e.g. a reference
+answer). :class:`PromptCollator` left-pads ``input_ids`` for generation and passes the other columns
+through as lists.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +60,15 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "LONG_PAIR_POLICIES",
     "PREFERENCE_FORMATS",
+    "PROMPT_FORMATS",
     "PreferenceCollator",
     "PreferenceTokenizationStats",
+    "PromptCollator",
+    "PromptTokenizationStats",
     "detect_preference_format",
+    "detect_prompt_format",
     "tokenize_preferences",
+    "tokenize_prompts",
 ]
 
 #: Preference formats and their required columns. Every format also accepts an optional float column
@@ -114,6 +139,24 @@ def _type_error(column: str, value: Any, expected: str) -> ValueError:
     )
 
 
+def _check_dataset_type(dataset: Any) -> None:
+    """TypeError unless `dataset` is one split (a ``datasets.Dataset``)."""
+    import datasets
+
+    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        splits = list(dataset.keys())
+        example = splits[0] if splits else "train"
+        raise TypeError(
+            f"expected one split (a datasets.Dataset), got a {type(dataset).__name__} with splits {splits}; "
+            f'pick one, e.g. dataset["{example}"].'
+        )
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(
+            f"expected a datasets.Dataset, got {type(dataset).__name__}. Build one with "
+            "datasets.Dataset.from_dict / from_list (an IterableDataset is not supported here)."
+        )
+
+
 def detect_preference_format(dataset: datasets.Dataset) -> str:
     """The preference format of `dataset`: a key of :data:`PREFERENCE_FORMATS`.
 
@@ -135,20 +178,7 @@ def detect_preference_format(dataset: datasets.Dataset) -> str:
         ValueError: the dataset is empty, lacks the columns of every format, or holds values of the
             wrong type; the message names the columns and types and lists the accepted formats.
     """
-    import datasets
-
-    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-        splits = list(dataset.keys())
-        example = splits[0] if splits else "train"
-        raise TypeError(
-            f"expected one split (a datasets.Dataset), got a {type(dataset).__name__} with splits {splits}; "
-            f'pick one, e.g. dataset["{example}"].'
-        )
-    if not isinstance(dataset, datasets.Dataset):
-        raise TypeError(
-            f"expected a datasets.Dataset, got {type(dataset).__name__}. Build one with "
-            "datasets.Dataset.from_dict / from_list (an IterableDataset is not supported here)."
-        )
+    _check_dataset_type(dataset)
     columns = set(dataset.column_names)
     if len(dataset) == 0:
         raise ValueError(
@@ -455,6 +485,29 @@ def _check_strings(values: Sequence[Any], column: str, indices: list[int]) -> No
 # --------------------------------------------------------------------------------------------------
 
 
+def _check_padding_args(pad_token_id: Any, pad_to_multiple_of: Any) -> None:
+    if (
+        pad_token_id is None
+        or not isinstance(pad_token_id, numbers.Integral)
+        or isinstance(pad_token_id, bool)
+    ):
+        raise ValueError(
+            f"pad_token_id={pad_token_id!r}: must be an int (tokenizer.pad_token_id). If the tokenizer has no "
+            "pad token, add one: tokenizer.add_special_tokens({'pad_token': '<|pad|>'})."
+        )
+    if pad_to_multiple_of is not None and (
+        not isinstance(pad_to_multiple_of, numbers.Integral) or pad_to_multiple_of < 1
+    ):
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r}: must be a positive integer or None.")
+
+
+def _padded_length(lengths: list[int], pad_to_multiple_of: int | None) -> int:
+    length = max(lengths)
+    if pad_to_multiple_of is not None:
+        length = math.ceil(length / pad_to_multiple_of) * pad_to_multiple_of
+    return length
+
+
 class PreferenceCollator:
     """Pads tokenized preference rows into one batch: the chosen sequences, then the rejected ones.
 
@@ -485,23 +538,9 @@ class PreferenceCollator:
     def __init__(
         self, pad_token_id: int, padding_side: str = "right", pad_to_multiple_of: int | None = None
     ) -> None:
-        if (
-            pad_token_id is None
-            or not isinstance(pad_token_id, numbers.Integral)
-            or isinstance(pad_token_id, bool)
-        ):
-            raise ValueError(
-                f"pad_token_id={pad_token_id!r}: must be an int (tokenizer.pad_token_id). If the tokenizer has no "
-                "pad token, add one: tokenizer.add_special_tokens({'pad_token': '<|pad|>'})."
-            )
+        _check_padding_args(pad_token_id, pad_to_multiple_of)
         if padding_side not in ("right", "left"):
             raise ValueError(f"padding_side={padding_side!r}: must be 'right' or 'left'.")
-        if pad_to_multiple_of is not None and (
-            not isinstance(pad_to_multiple_of, numbers.Integral) or pad_to_multiple_of < 1
-        ):
-            raise ValueError(
-                f"pad_to_multiple_of={pad_to_multiple_of!r}: must be a positive integer or None."
-            )
         self.pad_token_id = int(pad_token_id)
         self.padding_side = padding_side
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -521,9 +560,7 @@ class PreferenceCollator:
         lengths = [len(s) for s in sequences]
         if min(lengths) == 0:
             raise ValueError("PreferenceCollator got an empty sequence; every side needs at least one token.")
-        length = max(lengths)
-        if self.pad_to_multiple_of is not None:
-            length = math.ceil(length / self.pad_to_multiple_of) * self.pad_to_multiple_of
+        length = _padded_length(lengths, self.pad_to_multiple_of)
         input_ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
         for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
@@ -532,3 +569,361 @@ class PreferenceCollator:
             attention_mask[row, span] = 1
         margin = torch.tensor([float(f.get("margin", 0.0)) for f in features], dtype=torch.float32)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "margin": margin}
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt data (PPO / RLOO)
+# --------------------------------------------------------------------------------------------------
+
+#: Prompt formats (see the module docstring): strings, chat messages, or token ids.
+PROMPT_FORMATS: tuple[str, ...] = ("text", "conversational", "tokenized")
+
+# The column that holds the prompts: the first of these that the dataset has.
+_PROMPT_COLUMNS = ("prompt", "messages", "input_ids")
+
+# Per-row prompt length before truncation, carried through ``dataset.map`` and removed afterwards.
+_LENGTH_COLUMN = "__rlhf_trainers_prompt_length__"
+
+_ACCEPTED_PROMPT_FORMATS = (
+    "Accepted prompt formats (the first of the columns 'prompt', 'messages', 'input_ids' is used):\n"
+    "  text: column 'prompt' of strings\n"
+    "  conversational: column 'prompt' or 'messages' of lists of {\"role\", \"content\"} messages, ending "
+    "with a user or system turn\n"
+    "  tokenized: column 'input_ids' of lists of int token ids"
+)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _prompt_column(dataset: datasets.Dataset, fmt: str) -> str:
+    """The column that holds the prompts of a dataset in format `fmt`."""
+    if fmt == "tokenized":
+        return "input_ids"
+    return "prompt" if "prompt" in dataset.column_names else "messages"
+
+
+def detect_prompt_format(dataset: datasets.Dataset) -> str:
+    """The prompt format of `dataset`: one of :data:`PROMPT_FORMATS`.
+
+    The prompts are read from the column ``prompt`` if there is one, else ``messages``, else
+    ``input_ids`` (so a dataset with both text prompts and ids is "text", and its ids are replaced by
+    :func:`tokenize_prompts`). The type of the first row's value then decides: a string is "text"
+    (``prompt`` only), a non-empty list of ``{"role", "content"}`` dicts is "conversational", a list of
+    ints is "tokenized" (``input_ids`` only). Arrow stores one type per column, so the first row stands for
+    all rows; :func:`tokenize_prompts` checks every row and reports bad ones with their index.
+
+    Args:
+        dataset: a ``datasets.Dataset`` (one split).
+
+    Returns:
+        "text", "conversational" or "tokenized".
+
+    Raises:
+        TypeError: `dataset` is a ``DatasetDict`` (pick a split) or not a ``datasets.Dataset``.
+        ValueError: the dataset is empty, has none of the prompt columns, or its prompt column holds
+            values of another type; the message names the columns and lists the accepted formats.
+    """
+    _check_dataset_type(dataset)
+    columns = sorted(dataset.column_names)
+    if len(dataset) == 0:
+        raise ValueError(f"the prompt dataset has 0 rows (columns: {columns}); nothing to generate from.")
+    column = next((c for c in _PROMPT_COLUMNS if c in columns), None)
+    if column is None:
+        raise ValueError(
+            f"the dataset's columns {columns} hold no prompts: none of 'prompt', 'messages', 'input_ids' is "
+            "present.\n" + _ACCEPTED_PROMPT_FORMATS + "\nRename the prompt column with "
+            "dataset.rename_column(old, 'prompt')."
+        )
+    value = dataset[0][column]
+    if column == "input_ids":
+        if isinstance(value, list) and all(_is_token_id(i) for i in value):
+            return "tokenized"
+        expected = "a list of int token ids (tokenized format)"
+    elif column == "prompt" and isinstance(value, str):
+        return "text"
+    elif _is_message_list(value):
+        return "conversational"
+    elif column == "prompt":
+        expected = (
+            'a string (text format) or a non-empty list of {"role", "content"} messages (conversational '
+            "format); token ids go in a column 'input_ids'"
+        )
+    else:
+        expected = 'a non-empty list of {"role", "content"} messages (conversational format)'
+    raise ValueError(
+        f"column {column!r} (of columns {columns}): the first row holds {_describe(value)}, but {expected} "
+        "is expected.\n" + _ACCEPTED_PROMPT_FORMATS
+    )
+
+
+@dataclass
+class PromptTokenizationStats:
+    """What :func:`tokenize_prompts` did.
+
+    Attributes:
+        format: the detected format, one of :data:`PROMPT_FORMATS`.
+        num_rows: rows in the dataset (the output has the same rows).
+        num_truncated: prompts longer than `max_prompt_length` whose start was cut.
+        max_prompt_length: the limit applied (None: no limit).
+        longest: tokens in the longest prompt, before truncation.
+    """
+
+    format: str
+    num_rows: int
+    num_truncated: int
+    max_prompt_length: int | None
+    longest: int
+
+
+def _check_prompt_args(max_prompt_length: Any, vocab_size: Any, num_proc: Any) -> None:
+    if max_prompt_length is not None and (not _is_token_id(max_prompt_length) or max_prompt_length < 1):
+        raise ValueError(
+            f"max_prompt_length={max_prompt_length!r}: must be a positive integer (longer prompts keep their "
+            "last max_prompt_length tokens), or None for no limit."
+        )
+    if vocab_size is not None and (not _is_token_id(vocab_size) or vocab_size < 1):
+        raise ValueError(
+            f"vocab_size={vocab_size!r}: must be a positive integer (e.g. the policy's "
+            "model.get_input_embeddings().num_embeddings), or None to skip the id check."
+        )
+    if num_proc is not None and (not _is_token_id(num_proc) or num_proc < 1):
+        raise ValueError(f"num_proc={num_proc!r}: must be a positive integer or None.")
+
+
+def _check_prompt_conversations(values: Sequence[Any], column: str, indices: list[int]) -> None:
+    for value, index in zip(values, indices, strict=True):
+        if not _is_message_list(value):
+            raise ValueError(
+                f"row {index}: column {column!r} holds {_describe(value)}, expected a non-empty list of "
+                '{"role", "content"} messages.'
+            )
+        if value[-1]["role"] == "assistant":
+            raise ValueError(
+                f"row {index}: the conversation in column {column!r} ends with an assistant message, but a "
+                "prompt must end with a user or system turn (the policy writes the assistant's answer; "
+                "add_generation_prompt=True opens it). If the rows are full conversations, drop the last "
+                f"turn: dataset.map(lambda row: {{{column!r}: row[{column!r}][:-1]}})."
+            )
+
+
+def _chat_template_ids(result: Any) -> list[list[int]]:
+    """The ids of a batched ``apply_chat_template(..., tokenize=True)`` call, whatever it returned.
+
+    transformers 5 returns a ``BatchEncoding`` (``return_dict=True`` is its default), older versions a
+    list of id lists.
+    """
+    if isinstance(result, Mapping):
+        result = result["input_ids"]
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    return [list(seq) for seq in result]
+
+
+def _checked_prompt_ids(ids: Any, index: int, column: str, vocab_size: int | None) -> list[int]:
+    """`ids` as a list of ints; ValueError naming row `index` if it is not one, is empty or leaves the vocab."""
+    if not isinstance(ids, (list, tuple)) or not all(_is_token_id(i) for i in ids):
+        raise ValueError(
+            f"row {index}: the token ids of column {column!r} are {_describe(ids)}, expected a list of ints."
+        )
+    if len(ids) == 0:
+        what = (
+            "column 'input_ids' is an empty list"
+            if column == "input_ids"
+            else f"{column!r} tokenizes to nothing"
+        )
+        raise ValueError(
+            f"row {index}: the prompt has 0 tokens ({what}); every prompt needs at least one. "
+            "Remove empty prompts first, e.g. with dataset.filter."
+        )
+    if vocab_size is not None:
+        for i in ids:
+            if not 0 <= i < vocab_size:
+                raise ValueError(
+                    f"row {index}: token id {i} is outside the vocabulary (vocab_size={vocab_size}, valid ids "
+                    f"0..{vocab_size - 1}). The prompts were tokenized with another tokenizer than the model's; "
+                    "tokenize them with the policy's tokenizer, or, if tokens were added to it, call "
+                    "model.resize_token_embeddings(len(tokenizer))."
+                )
+    return [int(i) for i in ids]
+
+
+def tokenize_prompts(
+    dataset: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase | None,
+    *,
+    max_prompt_length: int | None = None,
+    vocab_size: int | None = None,
+    num_proc: int | None = None,
+) -> tuple[datasets.Dataset, PromptTokenizationStats]:
+    """Token ids for the prompts of a PPO/RLOO dataset in any of :data:`PROMPT_FORMATS`.
+
+    Per format (:func:`detect_prompt_format`):
+
+    - text: ``tokenizer(prompt, add_special_tokens=True)``, i.e. exactly ``tokenizer(prompt)``, so a
+      tokenizer that adds BOS adds it here too.
+    - conversational: ``tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)``:
+      the template's text plus the opening of the assistant turn, which the policy then completes. A
+      conversation that already ends with an assistant message is an error.
+    - tokenized: the ``input_ids`` as given (checked).
+
+    A prompt longer than `max_prompt_length` keeps its last `max_prompt_length` tokens (the end of a prompt,
+    next to where generation starts, matters most); if it started with ``tokenizer.bos_token_id`` that
+    token stays in front of the last ``max_prompt_length - 1``. Without a tokenizer (tokenized format
+    only) no BOS is known and the cut is plain.
+
+    Args:
+        dataset: one split, in any of :data:`PROMPT_FORMATS`.
+        tokenizer: the policy's tokenizer (with a chat template for conversational prompts). May be None
+            for the tokenized format.
+        max_prompt_length: most tokens per prompt (>= 1), or None for no limit.
+        vocab_size: if given, every id must be in ``[0, vocab_size)`` (e.g. the size of the policy's
+            input embeddings), which catches prompts tokenized with another tokenizer.
+        num_proc: processes for ``dataset.map`` (None: this process).
+
+    Returns:
+        ``(tokenized, stats)``. `tokenized` has the rows of `dataset` in the same order and all its columns
+        (the ``prompt``/``messages`` column too, for reward functions that want the prompt text), plus
+        ``input_ids``: lists of int64 ids, unpadded (for "text" and "conversational" a column of that name
+        is replaced). `stats` gives the format, counts and the longest prompt.
+
+    Raises:
+        ValueError: bad arguments, no tokenizer (or no chat template) where one is needed, a missing value,
+            a prompt of 0 tokens, non-int ids, ids outside `vocab_size`, a conversation ending with an
+            assistant message (all with the row index), and everything :func:`detect_prompt_format` raises.
+    """
+    import datasets
+
+    _check_prompt_args(max_prompt_length, vocab_size, num_proc)
+    fmt = detect_prompt_format(dataset)
+    column = _prompt_column(dataset, fmt)
+    if fmt != "tokenized" and tokenizer is None:
+        raise ValueError(
+            f"tokenizer=None, but the prompts are {fmt} (column {column!r}) and must be tokenized. Pass the "
+            "policy's tokenizer, or give the dataset a column 'input_ids' of token ids (and no 'prompt' or "
+            "'messages' column)."
+        )
+    if fmt == "conversational" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the prompts are conversational (column {column!r} holds lists of messages) but the tokenizer has "
+            "no chat template. Set tokenizer.chat_template to a Jinja template (e.g. the one of the model's "
+            "instruct version), or give the prompts as strings in a column 'prompt'."
+        )
+    if _LENGTH_COLUMN in dataset.column_names:
+        raise ValueError(f"the dataset has a column {_LENGTH_COLUMN!r}, a name reserved here; rename it.")
+    bos_id = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+
+    def process(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        values = batch[column]
+        _check_present(values, column, indices)
+        if fmt == "text":
+            _check_strings(values, column, indices)
+            ids = tokenizer(values, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        elif fmt == "conversational":
+            _check_prompt_conversations(values, column, indices)
+            ids = _chat_template_ids(
+                tokenizer.apply_chat_template(values, tokenize=True, add_generation_prompt=True)
+            )
+        else:
+            ids = values
+        out: dict[str, list[Any]] = {"input_ids": [], _LENGTH_COLUMN: []}
+        for seq, index in zip(ids, indices, strict=True):
+            seq = _checked_prompt_ids(seq, index, column, vocab_size)
+            out[_LENGTH_COLUMN].append(len(seq))
+            if max_prompt_length is not None:
+                seq = _truncate_left(seq, max_prompt_length, bos_id)
+            out["input_ids"].append(seq)
+        return out
+
+    features = dataset.features.copy()
+    features["input_ids"] = datasets.List(datasets.Value("int64"))
+    features[_LENGTH_COLUMN] = datasets.Value("int64")
+    tokenized = dataset.map(
+        process,
+        batched=True,
+        with_indices=True,
+        features=features,
+        num_proc=num_proc,
+        desc=f"Tokenizing prompts ({fmt})",
+    )
+    # map writes a new table without indices mapping: its Arrow column is the rows in order (see above).
+    lengths = tokenized.data.column(_LENGTH_COLUMN).to_pylist()
+    tokenized = tokenized.remove_columns(_LENGTH_COLUMN)
+    stats = PromptTokenizationStats(
+        format=fmt,
+        num_rows=len(dataset),
+        num_truncated=0 if max_prompt_length is None else sum(n > max_prompt_length for n in lengths),
+        max_prompt_length=max_prompt_length,
+        longest=max(lengths),
+    )
+    return tokenized, stats
+
+
+class PromptCollator:
+    """Left-pads tokenized prompts for generation, passing the other columns through.
+
+    Generation appends to the right of every row, so prompts are padded on the left: the last prompt
+    token of every row sits in the last column and the completions line up.
+
+    Args:
+        pad_token_id: the id written into padding positions (``tokenizer.pad_token_id``).
+        pad_to_multiple_of: round the padded length T up to a multiple of this (e.g. 8 for tensor cores).
+
+    Calling it on a list of B rows (dicts with the same keys, each with ``input_ids``: a list or 1-D tensor
+    of ids, as :func:`tokenize_prompts` makes them) returns:
+
+    - ``input_ids``: (B, T) long, each row's ids at the right end, `pad_token_id` before them.
+    - ``attention_mask``: (B, T) long, 1 on real tokens, 0 on padding.
+    - every other key of the rows (``prompt``, ``messages``, extra columns for reward functions): a Python
+      list of the B values, in row order. An ``attention_mask`` key of the rows is replaced, not passed on.
+
+    T is the longest prompt of the batch (rounded up to `pad_to_multiple_of`).
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+        _check_padding_args(pad_token_id, pad_to_multiple_of)
+        self.pad_token_id = int(pad_token_id)
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(pad_token_id={self.pad_token_id}, "
+            f"pad_to_multiple_of={self.pad_to_multiple_of})"
+        )
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        """Left-pad `features` (B rows) into ``input_ids`` and ``attention_mask`` (B, T); other keys as lists."""
+        if len(features) == 0:
+            raise ValueError("PromptCollator got an empty list of rows.")
+        keys = list(features[0])
+        if "input_ids" not in keys:
+            raise ValueError(
+                f"PromptCollator: the rows have keys {keys} but no 'input_ids'; tokenize the dataset first "
+                "with rlhf_trainers.data.tokenize_prompts."
+            )
+        for row, feature in enumerate(features):
+            if set(feature) != set(keys):
+                raise ValueError(
+                    f"PromptCollator: row {row} has keys {sorted(feature)}, but row 0 has {sorted(keys)}; "
+                    "all rows of a batch need the same keys."
+                )
+        sequences = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
+        for row, seq in enumerate(sequences):
+            if seq.dim() != 1 or len(seq) == 0:
+                raise ValueError(
+                    f"PromptCollator: row {row} has input_ids of shape {tuple(seq.shape)}; each row needs a "
+                    "non-empty 1-D sequence of ids."
+                )
+        lengths = [len(s) for s in sequences]
+        length = _padded_length(lengths, self.pad_to_multiple_of)
+        input_ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+        for row, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
+            input_ids[row, length - n :] = seq
+            attention_mask[row, length - n :] = 1
+        batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        for key in keys:
+            if key not in batch:
+                batch[key] = [f[key] for f in features]
+        return batch
