@@ -31,12 +31,18 @@ from .optim import TFStyleAdam
 # ``import rlhf_trainers`` does not import transformers.
 _LAZY: dict[str, str] = {
     "testing": "rlhf_trainers.testing",
+    "OnPolicyConfig": "rlhf_trainers.onpolicy",
+    "OnPolicyTrainer": "rlhf_trainers.onpolicy",
+    "PPOConfig": "rlhf_trainers.ppo",
+    "PPOTrainer": "rlhf_trainers.ppo",
     "RewardConfig": "rlhf_trainers.reward",
     "RewardTrainer": "rlhf_trainers.reward",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import testing
+    from .onpolicy import OnPolicyConfig, OnPolicyTrainer
+    from .ppo import PPOConfig, PPOTrainer
     from .reward import RewardConfig, RewardTrainer
 
 
@@ -52,6 +58,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
+    "OnPolicyConfig",
+    "OnPolicyTrainer",
+    "PPOConfig",
+    "PPOTrainer",
     "RewardConfig",
     "RewardTrainer",
     "TFStyleAdam",

@@ -1,1 +1,6 @@
-"""The on-policy engine PPO and RLOO share. Built in issue #4; nothing here yet."""
+"""The on-policy engine PPO and RLOO share: :class:`OnPolicyConfig` and :class:`OnPolicyTrainer`."""
+
+from .config import OnPolicyConfig
+from .trainer import OnPolicyTrainer, PolicyAndValue
+
+__all__ = ["OnPolicyConfig", "OnPolicyTrainer", "PolicyAndValue"]

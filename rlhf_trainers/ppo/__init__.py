@@ -1,1 +1,6 @@
-"""PPO: value model, GAE, value loss, critic warmup. Built in issue #4; nothing here yet."""
+"""PPO: the value model, GAE, the value loss and critic warmup, on the on-policy engine."""
+
+from .config import PPOConfig
+from .trainer import PPOTrainer
+
+__all__ = ["PPOConfig", "PPOTrainer"]

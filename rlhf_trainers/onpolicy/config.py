@@ -1,0 +1,343 @@
+"""OnPolicyConfig: the ``TrainingArguments`` shared by the PPO and RLOO trainers."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from ..functional import KL_ESTIMATORS, LOSS_AGG_MODES
+
+STOP_TOKENS = ("eos",)
+
+
+@dataclass
+class OnPolicyConfig(TrainingArguments):
+    """Fields shared by :class:`~rlhf_trainers.PPOConfig` and :class:`~rlhf_trainers.RLOOConfig`.
+
+    Every ``TrainingArguments`` field works as in ``transformers.Trainer``, with one difference of unit:
+    a *step* is one on-policy update (rollout + ``num_ppo_epochs`` x ``num_mini_batches`` optimizer
+    steps), so ``logging_steps``, ``save_steps``, ``eval_steps`` and ``max_steps`` count updates, and the
+    learning-rate scheduler anneals over updates (to zero at the last one with the default linear
+    schedule, as the seed does).
+
+    Batch sizes (per process, in completions): a rollout collects
+    ``per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches`` completions; each
+    mini-batch (one optimizer step) is ``per_device_train_batch_size * gradient_accumulation_steps`` of
+    them, run in micro-batches of ``per_device_train_batch_size``.
+    """
+
+    # ---- run length -------------------------------------------------------------------------
+    total_episodes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions to train on in total (over all processes). None: num_train_epochs passes "
+            "over the prompt dataset. max_steps > 0 (updates) takes precedence."
+        },
+    )
+    num_ppo_epochs: int = field(
+        default=4, metadata={"help": "Optimisation epochs over each rollout (the seed's noptepochs)."}
+    )
+    num_mini_batches: int = field(
+        default=1, metadata={"help": "Mini-batches (optimizer steps) per epoch over a rollout."}
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64,
+        metadata={"help": "Rows per generation / no-grad forward pass during the rollout, per process."},
+    )
+
+    # ---- prompts and generation -------------------------------------------------------------
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={
+            "help": "Prompts longer than this (in tokens) are truncated from the left (keeping a leading "
+            "BOS); the count is logged. None: no limit."
+        },
+    )
+    response_length: int = field(
+        default=53, metadata={"help": "Maximum new tokens per completion (the seed uses 24 or 53)."}
+    )
+    temperature: float = field(
+        default=0.7,
+        metadata={
+            "help": "Sampling temperature; the training log-probs divide the logits by it too (seed detail). "
+            "Sampling uses top-k 0 and top-p 1 so that the sampling distribution is the one trained."
+        },
+    )
+    stop_token: str | None = field(
+        default="eos",
+        metadata={
+            "help": "'eos': a response ends at the first EOS token (generation stops there and later tokens "
+            "are padding). None: fixed-length responses that ignore EOS, as in the seed, unless "
+            "stop_token_id is set."
+        },
+    )
+    stop_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "A token id that ends a response (the seed truncates at a period); overrides stop_token. "
+            "Generation runs to response_length and the response is truncated after the first such token "
+            "at index >= truncate_after."
+        },
+    )
+    truncate_after: int = field(
+        default=0,
+        metadata={"help": "Only stop tokens at response index >= this count end a response (seed: 16)."},
+    )
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={
+            "help": "Subtracted from the score of a response without a stop token (TRL's option; e.g. 1.0). "
+            "None: off."
+        },
+    )
+    rejection_penalty: float | None = field(
+        default=None,
+        metadata={
+            "help": "Replace the score of a response without a stop token by this value (the seed's "
+            "rejection sampling uses -1). None: off."
+        },
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Under DeepSpeed ZeRO-3, gather the policy's full weights once for generation (fast, needs "
+            "the whole model in memory). False: generate with partitioned weights (slow, less memory)."
+        },
+    )
+
+    # ---- rewards ----------------------------------------------------------------------------
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of each reward source (the reward model first, then the reward functions in "
+            "order). None: 1.0 each."
+        },
+    )
+    reward_clip: float | None = field(
+        default=None, metadata={"help": "Clip the scores to [-reward_clip, reward_clip]. None: off."}
+    )
+    reward_scaling: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "NeMo RL reward scaling, four numbers: source_min source_max target_min target_max. Scores "
+            "are clamped to the source range and mapped linearly onto the target range. None: off."
+        },
+    )
+    whiten_rewards: bool = field(
+        default=False,
+        metadata={
+            "help": "Whiten the per-token rewards over the rollout (all processes) before the advantages, "
+            "keeping their mean (shift_mean=False, the seed's option)."
+        },
+    )
+    overlong_buffer_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "DAPO/NeMo overlong shaping: responses longer than response_length - this get a linear "
+            "penalty up to overlong_penalty at response_length. None: off."
+        },
+    )
+    overlong_penalty: float = field(
+        default=1.0, metadata={"help": "Largest overlong penalty (with overlong_buffer_length)."}
+    )
+    reward_batch_size: int = field(default=64, metadata={"help": "Rows per reward-model forward pass."})
+
+    # ---- KL ---------------------------------------------------------------------------------
+    kl_coef: float = field(
+        default=0.05, metadata={"help": "KL penalty coefficient beta (initial value if adaptive)."}
+    )
+    kl_estimator: str = field(
+        default="k1",
+        metadata={"help": "Per-token KL estimator in the reward: 'k1' (the seed), 'k2', 'k3' or 'abs'."},
+    )
+    adaptive_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "Adapt kl_coef towards kl_target (Ziegler et al.; the seed's AdaptiveKLController)."
+        },
+    )
+    kl_target: float = field(
+        default=6.0, metadata={"help": "Target KL (nats per sequence) of the adaptive controller."}
+    )
+    kl_horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller."})
+
+    # ---- loss -------------------------------------------------------------------------------
+    cliprange: float = field(
+        default=0.2, metadata={"help": "PPO ratio clip epsilon (below 1, and above unless cliprange_high)."}
+    )
+    cliprange_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper ratio clip epsilon (asymmetric clip, DAPO/NeMo). None: cliprange."},
+    )
+    dual_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dual-clip constant c > 1 bounding the loss of negative-advantage tokens. None: off."
+        },
+    )
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata={"help": "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'."},
+    )
+
+    # ---- numerics ---------------------------------------------------------------------------
+    logprobs_in_fp32: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute log-softmax in float32 even when the model runs in bf16/fp16 (avoids the PPO "
+            "ratios != 1 at the first step that the RLOO blog describes)."
+        },
+    )
+    logprob_chunk_size: int | None = field(
+        default=128,
+        metadata={
+            "help": "Rows of (batch x tokens) per log-prob chunk: bounds the temporary memory. None: all."
+        },
+    )
+    ratio_tolerance: float = field(
+        default=1e-3,
+        metadata={
+            "help": "Warn when the policy ratio at the first mini-batch of an update deviates from 1 by more "
+            "than this (the rollout and training forward passes disagree)."
+        },
+    )
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Set every dropout probability to 0 (seed detail)."}
+    )
+    tf_style_adam: bool = field(
+        default=False,
+        metadata={
+            "help": "Use TFStyleAdam (epsilon inside the bias correction, as TensorFlow and the seed) instead "
+            "of the optimizer chosen by `optim`."
+        },
+    )
+
+    # ---- data / models ----------------------------------------------------------------------
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Processes for tokenizing the prompts (datasets.map num_proc)."}
+    )
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for from_pretrained when models are given as paths, e.g. "
+            '\'{"dtype": "bfloat16"}\' (a JSON string on the command line).'
+        },
+    )
+    num_sample_generations: int = field(
+        default=10,
+        metadata={
+            "help": "How many times during the run to print and log a table of sample completions with their "
+            "scores (0: never)."
+        },
+    )
+    sample_table_size: int = field(default=4, metadata={"help": "Rows of each sample table."})
+
+    # ---- Trainer defaults that differ ---------------------------------------------------------
+    learning_rate: float = field(default=3e-6, metadata={"help": "Policy learning rate (TRL's PPO default)."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Completions per micro-batch (forward/backward) per process."}
+    )
+    logging_steps: float = field(
+        default=1, metadata={"help": "Log every X updates (ratio of the run if < 1)."}
+    )
+    save_steps: float = field(default=500, metadata={"help": "Save a checkpoint every X updates."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Kept False: dataset columns are passed to reward functions."}
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={"help": "DDP's find_unused_parameters (False: every trained parameter is in the loss)."},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model_init_kwargs, str):
+            self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        super().__post_init__()
+        for name in (
+            "num_ppo_epochs",
+            "num_mini_batches",
+            "local_rollout_forward_batch_size",
+            "response_length",
+            "reward_batch_size",
+            "kl_horizon",
+            "sample_table_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an integer >= 1.")
+        for name in ("total_episodes", "max_prompt_length", "logprob_chunk_size", "overlong_buffer_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: expected an integer >= 1, or None.")
+        if self.num_sample_generations < 0 or self.truncate_after < 0:
+            raise ValueError(
+                f"num_sample_generations={self.num_sample_generations}, truncate_after={self.truncate_after}: "
+                "both must be >= 0."
+            )
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"temperature={self.temperature}: expected a finite number > 0 (1.0 samples as is)."
+            )
+        if self.stop_token is not None and self.stop_token not in STOP_TOKENS:
+            raise ValueError(
+                f"stop_token={self.stop_token!r}: expected 'eos' or None (for another token, set stop_token_id)."
+            )
+        if self.truncate_after >= self.response_length:
+            raise ValueError(
+                f"truncate_after={self.truncate_after} must be < response_length={self.response_length}: no stop "
+                "token could ever count."
+            )
+        if self.missing_eos_penalty is not None and self.rejection_penalty is not None:
+            raise ValueError(
+                "missing_eos_penalty and rejection_penalty are two ways to penalise a response without a stop "
+                "token (subtract vs replace); set one of them."
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}.")
+        if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
+            raise ValueError(f"kl_coef={self.kl_coef}: expected a finite number >= 0.")
+        if self.adaptive_kl and not self.kl_target > 0:
+            raise ValueError(f"kl_target={self.kl_target}: the adaptive controller needs a target > 0.")
+        if not 0 < self.cliprange < 1:
+            raise ValueError(f"cliprange={self.cliprange}: expected a number in (0, 1), e.g. 0.2.")
+        if self.cliprange_high is not None and not self.cliprange_high > 0:
+            raise ValueError(f"cliprange_high={self.cliprange_high}: expected a number > 0, or None.")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip={self.dual_clip}: expected a constant > 1 (e.g. 3.0), or None.")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}: expected one of {LOSS_AGG_MODES}.")
+        if self.reward_clip is not None and not self.reward_clip > 0:
+            raise ValueError(f"reward_clip={self.reward_clip}: expected a number > 0, or None.")
+        if self.reward_scaling is not None:
+            if len(self.reward_scaling) != 4:
+                raise ValueError(
+                    f"reward_scaling={self.reward_scaling}: expected four numbers "
+                    "[source_min, source_max, target_min, target_max], e.g. [0, 1, -1, 1]."
+                )
+            smin, smax, tmin, tmax = self.reward_scaling
+            if not (smax > smin and tmax >= tmin):
+                raise ValueError(
+                    f"reward_scaling={self.reward_scaling}: needs source_max > source_min and "
+                    "target_max >= target_min."
+                )
+        if self.overlong_buffer_length is not None and self.overlong_buffer_length > self.response_length:
+            raise ValueError(
+                f"overlong_buffer_length={self.overlong_buffer_length} must be <= response_length="
+                f"{self.response_length}."
+            )
+        if self.overlong_penalty < 0:
+            raise ValueError(f"overlong_penalty={self.overlong_penalty}: expected a number >= 0.")
+
+    @property
+    def local_batch_size(self) -> int:
+        """Completions per rollout on this process."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+
+    @property
+    def local_mini_batch_size(self) -> int:
+        """Completions per optimizer step on this process."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps

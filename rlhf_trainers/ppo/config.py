@@ -1,0 +1,77 @@
+"""PPOConfig: the on-policy fields plus what only PPO has (value model, GAE, value loss)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..onpolicy.config import OnPolicyConfig
+
+VALUE_MODEL_INITS = ("policy", "reward_model")
+
+
+@dataclass
+class PPOConfig(OnPolicyConfig):
+    """Configuration of :class:`~rlhf_trainers.PPOTrainer`: every :class:`OnPolicyConfig` (and
+    ``TrainingArguments``) field, plus the value model and GAE. Defaults follow TRL's PPOConfig where TRL
+    has the field, and the seeds elsewhere (gamma 1, lam 0.95, value clip 0.2)."""
+
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the total loss."})
+    cliprange_value: float | None = field(
+        default=0.2,
+        metadata={
+            "help": "Clip of the value update around the rollout values (seed detail). None: unclipped."
+        },
+    )
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor (the seed uses 1)."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    lam_value: float | None = field(
+        default=None,
+        metadata={"help": "Decoupled lambda of the value targets (VAPO uses 1.0). None: lam."},
+    )
+    length_adaptive_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "Length-adaptive policy lambda 1 - 1/(alpha * length) per response (VAPO, alpha 0.05). 0: off."
+        },
+    )
+    whiten_advantages: bool = field(
+        default=True,
+        metadata={"help": "Whiten the advantages over the rollout of all processes (the seed does)."},
+    )
+    critic_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "First updates that train only the value model (NeMo RL critic warmup)."},
+    )
+    critic_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the value model. None: learning_rate."}
+    )
+    value_model_init: str = field(
+        default="policy",
+        metadata={
+            "help": "Where a value model that is not given starts: 'policy' (the seed: the policy's weights with "
+            "a zero-initialised scalar head) or 'reward_model' (TRL: a copy of the reward model)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ValueError(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
+        if self.lam_value is not None and not 0 <= self.lam_value <= 1:
+            raise ValueError(f"lam_value={self.lam_value}: must be in [0, 1] or None.")
+        if self.vf_coef < 0:
+            raise ValueError(f"vf_coef={self.vf_coef}: must be >= 0.")
+        if self.cliprange_value is not None and not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value={self.cliprange_value}: must be > 0, or None for no clipping.")
+        if self.length_adaptive_alpha < 0:
+            raise ValueError(
+                f"length_adaptive_alpha={self.length_adaptive_alpha}: must be >= 0 (0 disables it)."
+            )
+        if self.critic_warmup_steps < 0:
+            raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps}: must be >= 0.")
+        if self.critic_learning_rate is not None and not self.critic_learning_rate > 0:
+            raise ValueError(f"critic_learning_rate={self.critic_learning_rate}: must be > 0, or None.")
+        if self.value_model_init not in VALUE_MODEL_INITS:
+            raise ValueError(
+                f"value_model_init={self.value_model_init!r}: expected one of {VALUE_MODEL_INITS}."
+            )

@@ -1,0 +1,231 @@
+"""PPOTrainer: what is PPO-only on top of the on-policy engine: the value model, GAE, the value loss.
+
+The whole algorithm per update (the engine does the rest, see :mod:`rlhf_trainers.onpolicy.trainer`):
+
+1. rollout: responses, log-probs of policy and reference, values V(s_t), scores;
+2. per-token rewards ``r_t = -beta * KL_t`` plus the score at the last token (optionally whitened);
+3. GAE advantages and returns (gamma, lam, decoupled lam for the returns, length-adaptive lam),
+   advantages whitened over all processes;
+4. for each micro-batch: clipped policy loss (asymmetric / dual clip) + ``vf_coef`` x clipped value
+   loss; during ``critic_warmup_steps`` only the value loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import functional as F
+from ..models import _base, _gathered, _is_peft_model, check_one_label, find_score_head, load_reward_model
+from ..onpolicy.trainer import OnPolicyTrainer
+from .config import PPOConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def zero_value_head(model: torch.nn.Module) -> None:
+    """Zero the scalar head (the seed initialises the value head with zeros: V = 0 everywhere at the
+    start, so the first advantages are the returns themselves)."""
+    _, head = find_score_head(model)
+    params = [head.weight] + ([head.bias] if head.bias is not None else [])
+    with _gathered(params, modify=True), torch.no_grad():
+        for p in params:
+            p.zero_()
+
+
+def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
+    """A one-label sequence-classification model with the policy's transformer weights and a zero head."""
+    from transformers import AutoModelForSequenceClassification
+
+    source = policy
+    if _is_peft_model(policy):
+        source = copy.deepcopy(policy).merge_and_unload()
+    config = copy.deepcopy(source.config)
+    config.num_labels = 1
+    config.architectures = None
+    value = AutoModelForSequenceClassification.from_config(config)
+    prefix = value.base_model_prefix
+    backbone = getattr(_base(source), prefix, None)
+    if backbone is None:
+        raise ValueError(
+            f"Cannot build a value model from {type(source).__name__}: it has no '{prefix}' backbone. Pass "
+            "value_model= (a one-label sequence-classification model) or value_model_init='reward_model'."
+        )
+    getattr(value, prefix).load_state_dict(backbone.state_dict())
+    value.to(next(source.parameters()).dtype)
+    zero_value_head(value)
+    if getattr(source.config, "pad_token_id", None) is not None:
+        value.config.pad_token_id = source.config.pad_token_id
+    return value
+
+
+class PPOTrainer(OnPolicyTrainer):
+    """PPO for language models (the seed's algorithm, with TRL's interface), as a ``transformers.Trainer``.
+
+    Args:
+        model: the policy: a path, Hub id, causal-LM instance or PeftModel.
+        ref_model: the reference policy; None uses a frozen copy of ``model``, or under PEFT the same
+            weights with the adapter disabled (no second copy).
+        reward_model: a one-label sequence-classification model or its path (its
+            ``reward_normalization.json`` is applied); may use another tokenizer
+            (``reward_processing_class``, loaded from the path when it has one).
+        value_model: the critic (a one-label sequence-classification model or path; a fresh head is
+            zero-initialised). None builds it per ``PPOConfig.value_model_init``.
+        args: a :class:`PPOConfig`.
+        processing_class: the policy's tokenizer (must have a pad token).
+        train_dataset / eval_dataset: prompts: a ``prompt`` column of text or chat messages, a
+            ``messages`` column, or ``input_ids``; other columns are passed to reward functions.
+        reward_funcs: ``f(prompts, completions, **columns) -> list[float]`` or a list of them, weighted by
+            ``PPOConfig.reward_weights`` (reward model first).
+        peft_config: a PEFT config applied to ``model`` (LoRA).
+        callbacks, optimizers, data_collator: as in ``transformers.Trainer``.
+    """
+
+    _config_class = PPOConfig
+    _tag_names = ("rlhf_trainers", "ppo")
+    algorithm_name = "PPO"
+    completions_per_prompt = 1
+    args: PPOConfig
+
+    def build_value_model(
+        self,
+        policy: PreTrainedModel,
+        reward_model: PreTrainedModel | None,
+        value_model: str | os.PathLike[str] | PreTrainedModel | None,
+        args: PPOConfig,
+    ) -> PreTrainedModel:
+        if isinstance(value_model, (str, os.PathLike)):
+            value_model, head_is_new = load_reward_model(
+                value_model, init_head=False, model_kwargs=args.model_init_kwargs
+            )
+            if head_is_new:
+                zero_value_head(value_model)
+            return value_model
+        if value_model is not None:
+            check_one_label(value_model, "value model")
+            return value_model
+        if args.value_model_init == "reward_model":
+            if reward_model is None:
+                raise ValueError(
+                    "value_model_init='reward_model' needs a reward_model; with reward functions only use "
+                    "value_model_init='policy' or pass value_model=."
+                )
+            return copy.deepcopy(reward_model).requires_grad_(True).train()
+        return value_model_from_policy(policy)
+
+    def _parameter_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:
+        groups = super()._parameter_groups(model)
+        lr = self.args.critic_learning_rate
+        if lr is None:
+            return groups
+        value_params = {id(p) for n, p in model.named_parameters() if n.startswith("value_model.")}
+        out = []
+        for group in groups:
+            policy = [p for p in group["params"] if id(p) not in value_params]
+            value = [p for p in group["params"] if id(p) in value_params]
+            out.append({**group, "params": policy})
+            out.append({**group, "params": value, "lr": lr})
+        return [g for g in out if g["params"]]
+
+    def compute_advantages(self, rollout: dict[str, Any]) -> None:
+        args = self.args
+        mask = rollout["response_mask"]
+        rewards = self.token_rewards(rollout)
+        advantages, returns = F.gae_advantages(
+            rewards,
+            rollout["values"],
+            mask,
+            gamma=args.gamma,
+            lam=args.lam,
+            lam_value=args.lam_value,
+            length_adaptive_alpha=args.length_adaptive_alpha,
+        )
+        if args.whiten_advantages:
+            advantages = F.whiten(advantages, mask, shift_mean=True, all_reduce=self._all_reduce)
+        rollout["rewards"] = rewards
+        rollout["advantages"] = advantages.masked_fill(~mask, 0.0)
+        rollout["returns"] = returns
+
+    def compute_policy_loss(
+        self, rollout: dict[str, Any], idx: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        args = self.args
+        mask = rollout["response_mask"][idx]
+        pg_loss, pm = F.clipped_policy_loss(
+            logprobs,
+            rollout["logprobs"][idx],
+            rollout["advantages"][idx],
+            mask,
+            clip_low=args.cliprange,
+            clip_high=args.cliprange_high,
+            dual_clip=args.dual_clip,
+            loss_agg_mode=args.loss_agg_mode,
+        )
+        assert values is not None
+        vf_loss, vm = F.clipped_value_loss(
+            values,
+            rollout["values"][idx],
+            rollout["returns"][idx],
+            mask,
+            args.cliprange_value,
+            loss_agg_mode=args.loss_agg_mode,
+        )
+        warmup = self.state.global_step < args.critic_warmup_steps
+        loss = args.vf_coef * vf_loss if warmup else pg_loss + args.vf_coef * vf_loss
+        metrics = {
+            "loss/policy_avg": pg_loss.detach(),
+            "loss/value_avg": vf_loss.detach(),
+            "policy/approxkl_avg": pm["approxkl"],
+            "policy/clipfrac_avg": pm["clipfrac"],
+            "policy/dual_clipfrac_avg": pm["dual_clipfrac"],
+            "val/clipfrac_avg": vm["vf_clipfrac"],
+            "val/ratio": pm["ratio_mean"],
+            "val/ratio_var": pm["ratio_var"],
+        }
+        return loss, metrics
+
+    def rollout_metrics(self, rollout: dict[str, Any]) -> dict[str, float]:
+        """The engine's metrics plus NeMo's critic metrics over the valid tokens of all processes."""
+        metrics = super().rollout_metrics(rollout)
+        mask = rollout["response_mask"]
+        v = rollout["values"][mask].double()
+        r = rollout["returns"][mask].double()
+        a = rollout["advantages"][mask].double()
+        d = r - v
+        sums = torch.stack(
+            [
+                v.new_tensor(float(v.numel())),
+                v.sum(),
+                r.sum(),
+                r.square().sum(),
+                d.sum(),
+                d.square().sum(),
+                a.sum(),
+            ]
+        )
+        sums = self._all_reduce(sums.to(self.accelerator.device)).cpu()
+        big = torch.finfo(torch.float64).max
+        extremes = torch.stack(
+            [v.min() if v.numel() else v.new_tensor(big), -(v.max() if v.numel() else v.new_tensor(-big))]
+        )
+        extremes = self._gather(extremes.reshape(1, 2).to(self.accelerator.device)).cpu().min(0).values
+        n = float(sums[0])
+        if n == 0:
+            return metrics
+        var_r = float(sums[3]) / n - (float(sums[2]) / n) ** 2
+        var_d = float(sums[5]) / n - (float(sums[4]) / n) ** 2
+        metrics.update(
+            {
+                "critic/values_mean": float(sums[1]) / n,
+                "critic/values_min": float(extremes[0]),
+                "critic/values_max": -float(extremes[1]),
+                "critic/returns_mean": float(sums[2]) / n,
+                "critic/explained_var": 1.0 - var_d / var_r if var_r > 0 else 0.0,
+                "critic/advantages_mean": float(sums[6]) / n,
+            }
+        )
+        return metrics
