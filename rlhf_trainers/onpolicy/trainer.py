@@ -694,7 +694,7 @@ class OnPolicyTrainer(Trainer):
             scores = F.apply_rejection_penalty(scores, found, args.missing_eos_penalty, "subtract")
         if args.rejection_penalty is not None:
             scores = F.apply_rejection_penalty(scores, found, args.rejection_penalty, "replace")
-        return scores, valid
+        return torch.where(valid, scores, torch.zeros_like(scores)), valid
 
     def token_rewards(self, rollout: dict[str, Any]) -> torch.Tensor:
         """(N, R) per-token rewards: ``-kl_coef * kl`` at every response token and the sequence's score
