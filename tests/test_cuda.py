@@ -102,3 +102,38 @@ def test_kit_models_generate_on_cuda_in_bf16(kit, name):
     valid = mask[:, 1:].bool()
     assert torch.isfinite(lp16[valid]).all()
     assert (lp16 - lp32)[valid].abs().max() < 0.5
+
+
+def test_ppo_trains_on_cuda_in_bf16_with_the_ratio_at_one(kit, tmp_path):
+    from rlhf_trainers import PPOConfig, PPOTrainer
+    from rlhf_trainers.testing import true_reward
+
+    args = PPOConfig(
+        output_dir=str(tmp_path),
+        bf16=True,
+        per_device_train_batch_size=8,
+        num_ppo_epochs=1,
+        response_length=8,
+        temperature=1.0,
+        learning_rate=1e-3,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        num_sample_generations=0,
+        disable_tqdm=True,
+    )
+    trainer = PPOTrainer(
+        model=kit.load_model("llama-sft"),
+        processing_class=kit.load_tokenizer(),
+        reward_funcs=true_reward,
+        args=args,
+        train_dataset=kit.prompt_dataset("train", n=32),
+    )
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    trainer.train()
+    assert next(trainer.policy.parameters()).device.type == "cuda"
+    logs = [h for h in trainer.state.log_history if "policy/ratio_at_start" in h]
+    # bf16 autocast in both the rollout and the training pass, log-softmax in fp32: the ratio starts at 1.
+    assert all(h["policy/ratio_at_start"] < 1e-2 for h in logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters(), strict=True))

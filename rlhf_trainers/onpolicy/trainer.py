@@ -585,8 +585,14 @@ class OnPolicyTrainer(Trainer):
             prompts = self.processing_class.batch_decode(batch["input_ids"], skip_special_tokens=True)
         return list(prompts), columns
 
-    @torch.no_grad()
     def rollout(self, batch: dict[str, Any], timings: dict[str, float] | None = None) -> dict[str, Any]:
+        """Experience for one update (see :meth:`_rollout`), in the training precision: under ``bf16``/``fp16``
+        the same autocast as the training forward pass, so the rollout log-probs are the ones the first
+        training step recomputes (ratio 1)."""
+        with torch.no_grad(), self.accelerator.autocast():
+            return self._rollout(batch, timings)
+
+    def _rollout(self, batch: dict[str, Any], timings: dict[str, float] | None = None) -> dict[str, Any]:
         """Experience for one update from a collated prompt batch (this process's share).
 
         Returns a dict of (N, ...) tensors, N = prompts x ``completions_per_prompt`` (the k copies of the
@@ -1081,7 +1087,7 @@ class OnPolicyTrainer(Trainer):
         scores_all, lengths_all, found_all = [], [], []
         per_source_all: dict[str, list[torch.Tensor]] = defaultdict(list)
         samples: list[dict[str, Any]] = []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), self.accelerator.autocast():
             torch.manual_seed(self.args.seed + 7 + rank * RANK_SEED_STRIDE)
             step = self.args.local_rollout_forward_batch_size
             for s in range(0, len(rows), step):
