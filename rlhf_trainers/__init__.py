@@ -35,6 +35,8 @@ _LAZY: dict[str, str] = {
     "OnPolicyTrainer": "rlhf_trainers.onpolicy",
     "PPOConfig": "rlhf_trainers.ppo",
     "PPOTrainer": "rlhf_trainers.ppo",
+    "RLOOConfig": "rlhf_trainers.rloo",
+    "RLOOTrainer": "rlhf_trainers.rloo",
     "RewardConfig": "rlhf_trainers.reward",
     "RewardTrainer": "rlhf_trainers.reward",
 }
@@ -44,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .onpolicy import OnPolicyConfig, OnPolicyTrainer
     from .ppo import PPOConfig, PPOTrainer
     from .reward import RewardConfig, RewardTrainer
+    from .rloo import RLOOConfig, RLOOTrainer
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +65,8 @@ __all__ = [
     "OnPolicyTrainer",
     "PPOConfig",
     "PPOTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "RewardConfig",
     "RewardTrainer",
     "TFStyleAdam",

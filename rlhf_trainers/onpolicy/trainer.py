@@ -244,6 +244,13 @@ class OnPolicyTrainer(Trainer):
         if ref_model is None and not self.is_peft:
             ref_model = copy.deepcopy(policy)
         vocab = _vocab_size(policy)
+        if processing_class.pad_token_id >= vocab:
+            raise ValueError(
+                f"The tokenizer's pad token id ({processing_class.pad_token_id}) is outside the policy's "
+                f"vocabulary ({vocab} embeddings): padded batches would index past the embedding table. Call "
+                "model.resize_token_embeddings(len(tokenizer)) after adding the pad token, or use a pad token "
+                "the model already has."
+            )
         if ref_model is not None and _vocab_size(ref_model) != vocab:
             raise ValueError(
                 f"The reference model's vocabulary ({_vocab_size(ref_model)}) differs from the policy's ({vocab}); "
@@ -465,9 +472,15 @@ class OnPolicyTrainer(Trainer):
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def _generate(self, query: torch.Tensor, query_mask: torch.Tensor) -> torch.Tensor:
+    def _generate(
+        self, query: torch.Tensor, query_mask: torch.Tensor, with_logprobs: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sample (B, response_length) response ids: temperature, top-k 0, top-p 1; rows end at a stop
-        token only when generation may stop there (else fixed length, truncated afterwards)."""
+        token only when generation may stop there (else fixed length, truncated afterwards).
+
+        With ``with_logprobs`` also the log-probabilities (B, response_length) of the sampled tokens as
+        the generation computed them (its own logits / temperature, in the generation's precision): what
+        a truncated importance-sampling correction compares the training forward pass with."""
         from transformers import GenerationConfig
 
         args = self.args
@@ -481,6 +494,8 @@ class OnPolicyTrainer(Trainer):
             pad_token_id=self.processing_class.pad_token_id,
             eos_token_id=self._stop_ids if stop_in_generation else None,
             use_cache=True,
+            return_dict_in_generate=with_logprobs,
+            output_logits=with_logprobs,
         )
         policy = self.policy
         was_training = policy.training
@@ -500,16 +515,28 @@ class OnPolicyTrainer(Trainer):
                 )
         finally:
             policy.train(was_training)
-        response = out[:, query.shape[1] :]
-        if response.shape[1] < args.response_length:
+        sequences = out.sequences if with_logprobs else out
+        response = sequences[:, query.shape[1] :]
+        gen_logprobs = None
+        if with_logprobs:
+            logits = torch.stack(out.logits, dim=1)
+            gen_logprobs = F.logprobs_from_logits(
+                logits, response, args.temperature, compute_dtype=logits.dtype
+            )
+        missing = args.response_length - response.shape[1]
+        if missing > 0:
             pad = torch.full(
-                (response.shape[0], args.response_length - response.shape[1]),
+                (response.shape[0], missing),
                 self.processing_class.pad_token_id,
                 dtype=response.dtype,
                 device=response.device,
             )
             response = torch.cat([response, pad], dim=1)
-        return response
+            if gen_logprobs is not None:
+                gen_logprobs = torch.cat(
+                    [gen_logprobs, torch.zeros_like(pad, dtype=gen_logprobs.dtype)], dim=1
+                )
+        return response, gen_logprobs
 
     def _response_lengths(self, raw: torch.Tensor, generated_len: torch.Tensor | None = None) -> torch.Tensor:
         """Valid tokens per response: up to and including the first stop token (at index >=
@@ -618,7 +645,9 @@ class OnPolicyTrainer(Trainer):
         for s in range(0, N, step):
             q, qm = query[s : s + step], query_mask[s : s + step]
             t0 = time.perf_counter()
-            raw = self._generate(q, qm)
+            raw, gen_logprobs = self._generate(q, qm, with_logprobs=self.needs_generation_logprobs)
+            if gen_logprobs is not None:
+                parts["gen_logprobs"].append(gen_logprobs.float())
             timings["timing/generate"] += time.perf_counter() - t0
             lengths = self._response_lengths(raw)
             rmask = torch.arange(raw.shape[1], device=device)[None, :] < lengths[:, None]
@@ -725,6 +754,8 @@ class OnPolicyTrainer(Trainer):
     # ---- subclass hooks ---------------------------------------------------------------------------
 
     completions_per_prompt: int = 1
+    #: Whether the rollout keeps the generation's own log-probs (``rollout["gen_logprobs"]``).
+    needs_generation_logprobs: bool = False
 
     def compute_advantages(self, rollout: dict[str, Any]) -> None:
         """Add ``advantages`` (and whatever the loss needs) to ``rollout``."""
@@ -806,9 +837,7 @@ class OnPolicyTrainer(Trainer):
                     grad_norms.append(float(norm.item() if hasattr(norm, "item") else norm))
                 self.optimizer.step()
                 model.zero_grad()
-        out = {name: torch.stack(v).mean() for name, v in stats.items() if name != "policy/ratio_at_start"}
-        if "policy/ratio_at_start" in stats:
-            out["policy/ratio_at_start"] = stats["policy/ratio_at_start"][0]
+        out = {name: torch.stack(v).mean() for name, v in stats.items()}
         reduced = self._reduce_means(out)
         if grad_norms:
             reduced["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -824,9 +853,21 @@ class OnPolicyTrainer(Trainer):
         """Numerics guard: before any optimizer step of an update the policy is the one that produced the
         rollout log-probs, so the ratio must be 1 up to rounding."""
         mask = rollout["response_mask"][idx]
-        deviation = ((logprobs - rollout["logprobs"][idx]).exp() - 1).abs() * mask
+        diff = (logprobs - rollout["logprobs"][idx]) * mask
+        deviation = (diff.exp() - 1).abs() * mask
         worst = deviation.max() if deviation.numel() else torch.zeros((), device=logprobs.device)
         stats["policy/ratio_at_start"].append(worst.float())
+        # The RLOO blog's view of the same thing: the ratio of whole sequences (what a sequence-level
+        # loss clips), where small per-token differences multiply.
+        rows = mask.any(1)
+        seq_ratio = diff.sum(1).exp()[rows]
+        if seq_ratio.numel():
+            clip = self.args.cliprange
+            stats["policy/seq_ratio_at_start_mean"].append(seq_ratio.mean().float())
+            stats["policy/seq_ratio_at_start_max"].append(seq_ratio.max().float())
+            stats["policy/seq_ratio_at_start_clipfrac"].append(
+                ((seq_ratio < 1 - clip) | (seq_ratio > 1 + clip)).float().mean()
+            )
         if float(worst) > self.args.ratio_tolerance and not self._ratio_warned and self.args.should_log:
             self._ratio_warned = True
             logger.warning(
@@ -1094,7 +1135,7 @@ class OnPolicyTrainer(Trainer):
                 batch = self.data_collator([eval_dataset[i] for i in rows[s : s + step]])
                 query = batch["input_ids"].to(self.accelerator.device)
                 qmask = batch["attention_mask"].to(self.accelerator.device)
-                raw = self._generate(query, qmask)
+                raw, _ = self._generate(query, qmask)
                 lengths = self._response_lengths(raw)
                 rmask = torch.arange(raw.shape[1], device=raw.device)[None, :] < lengths[:, None]
                 response = raw.masked_fill(~rmask, self.processing_class.pad_token_id)

@@ -1,1 +1,6 @@
-"""RLOO: k samples per prompt, leave-one-out advantages. Built in issue #5; nothing here yet."""
+"""RLOO: k completions per prompt and the leave-one-out baseline, on the on-policy engine."""
+
+from .config import RLOOConfig
+from .trainer import SIMPLE_QUERY_CHAT_TEMPLATE, RLOOTrainer, leave_one_out
+
+__all__ = ["SIMPLE_QUERY_CHAT_TEMPLATE", "RLOOConfig", "RLOOTrainer", "leave_one_out"]

@@ -1,0 +1,56 @@
+"""RLOOConfig: the on-policy fields plus what only RLOO has (k completions, leave-one-out baseline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..onpolicy.config import OnPolicyConfig
+
+
+@dataclass
+class RLOOConfig(OnPolicyConfig):
+    """Configuration of :class:`~rlhf_trainers.RLOOTrainer`: every :class:`OnPolicyConfig` (and
+    ``TrainingArguments``) field, plus the fields below. Defaults follow TRL's RLOOConfig (``rloo_k=2``,
+    ``kl_coef=0.05``, ``num_ppo_epochs=4``, sequence-level KL)."""
+
+    rloo_k: int = field(
+        default=2,
+        metadata={
+            "help": "Completions sampled per prompt (>= 2); each one's baseline is the mean reward of the other "
+            "k - 1. The rollout size (per_device_train_batch_size x gradient_accumulation_steps x "
+            "num_mini_batches) counts completions and must be a multiple of rloo_k."
+        },
+    )
+    token_level_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "False (the RLOO blog): the whole completion is one action: reward = score - kl_coef * "
+            "sum of the per-token KL, one advantage per sequence and a sequence-level ratio. True "
+            "(REINFORCE++-style): the KL penalty stays per token, each token's advantage is its reward-to-go "
+            "minus the leave-one-out baseline of the other completions' returns, and the ratio is per token."
+        },
+    )
+    normalize_advantage: bool = field(
+        default=False,
+        metadata={"help": "Whiten the advantages over the rollout of all processes."},
+    )
+    truncated_is_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated importance sampling (the RLOO blog's bf16 'dark side'): weight each sequence's "
+            "loss by min(exp(sum of training log-probs - sum of generation log-probs), cap), correcting for "
+            "the generation and training forward passes disagreeing. E.g. 2.0. None: off."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.rloo_k, bool) or not isinstance(self.rloo_k, int) or self.rloo_k < 2:
+            raise ValueError(
+                f"rloo_k={self.rloo_k!r}: the leave-one-out baseline needs at least 2 completions per prompt; "
+                "set rloo_k=2 or more."
+            )
+        if self.truncated_is_cap is not None and not self.truncated_is_cap >= 1:
+            raise ValueError(
+                f"truncated_is_cap={self.truncated_is_cap}: expected a cap >= 1 (e.g. 2.0), or None."
+            )

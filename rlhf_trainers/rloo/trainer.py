@@ -1,0 +1,247 @@
+"""RLOOTrainer: what is RLOO-only on top of the on-policy engine: k completions per prompt and the
+leave-one-out baseline. No value model: three models (policy, reference, reward) instead of PPO's four.
+
+Per update (the engine does the rest, see :mod:`rlhf_trainers.onpolicy.trainer`):
+
+1. rollout of ``rloo_k`` completions per prompt (the k copies of the prompt batch concatenated, as the
+   RLOO blog lays them out: completion j of prompt i at row ``j * B + i``);
+2. sequence-level (default): ``rlhf_reward = score - kl_coef * sum_t KL_t``; each completion's advantage
+   is its reward minus the mean of the other k - 1 completions of its prompt; the loss is PPO's clipped
+   objective on the sequence log-prob (REINFORCE when the ratio is 1, as the blog shows);
+   token-level (``token_level_kl``): per-token rewards, reward-to-go minus the leave-one-out baseline;
+3. optional advantage whitening and truncated importance sampling against the generation's log-probs.
+
+All completions of a prompt are generated on the same process, so the baseline never needs another
+process's rewards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import functional as F
+from ..onpolicy.trainer import OnPolicyTrainer
+from .config import RLOOConfig
+
+if TYPE_CHECKING:
+    import datasets
+    from peft import PeftConfig
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+
+#: A minimal chat template (each message's content after a space, then EOS), for base models that have
+#: none; the RLOO blog's snippet sets one like it.
+SIMPLE_QUERY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ ' ' + message['content'] }}{% endfor %}{{ eos_token }}"
+)
+
+
+def leave_one_out(values: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Leave-one-out advantages over the k completions of each prompt, ignoring invalid completions.
+
+    Args:
+        values: (k * B,) rewards, completion j of prompt i at ``j * B + i``.
+        valid: (k * B,) bool; an invalid completion (no reward) neither gets an advantage nor counts in
+            the others' baselines.
+        k: completions per prompt.
+
+    Returns:
+        (k * B,) ``value - mean(other valid values of the prompt)``; 0 for invalid completions and for a
+        completion that is its prompt's only valid one. Equals :func:`rlhf_trainers.functional.rloo_advantages`
+        when every completion is valid.
+    """
+    v = values.reshape(k, -1).double()
+    m = valid.reshape(k, -1).to(v.dtype)
+    others = m.sum(0, keepdim=True) - m
+    baseline = ((v * m).sum(0, keepdim=True) - v * m) / others.clamp_min(1)
+    adv = torch.where((others > 0) & (m > 0), v - baseline, torch.zeros_like(v))
+    return adv.reshape(-1).to(values.dtype)
+
+
+class RLOOTrainer(OnPolicyTrainer):
+    """REINFORCE Leave-One-Out (Ahmadian et al., 2024; the RLOO blog) as a ``transformers.Trainer``.
+
+    Args:
+        model: the policy: a path, Hub id, causal-LM instance or PeftModel (alias: ``policy``).
+        ref_model: the reference policy (alias: ``ref_policy``); None uses a frozen copy of ``model``, or
+            under PEFT the same weights with the adapter disabled.
+        reward_model: a one-label sequence-classification model or its path (its normalization is
+            applied); may use another tokenizer (``reward_processing_class``).
+        args: an :class:`RLOOConfig` (alias: ``config``).
+        processing_class: the policy's tokenizer, with a pad token (alias: ``tokenizer``).
+        train_dataset / eval_dataset: prompts (``prompt`` text or chat messages, ``messages``, or
+            ``input_ids``); other columns are passed to reward functions.
+        reward_funcs: ``f(prompts, completions, **columns) -> list[float]`` or a list of them, weighted by
+            ``RLOOConfig.reward_weights`` (reward model first).
+        peft_config, callbacks, optimizers, data_collator: as for :class:`~rlhf_trainers.PPOTrainer`.
+
+    The aliases are the names of the RLOO blog's snippet (TRL's first RLOOTrainer), so that code runs
+    unchanged; giving both a name and its alias is an error.
+    """
+
+    _config_class = RLOOConfig
+    _tag_names = ("rlhf_trainers", "rloo")
+    algorithm_name = "RLOO"
+    args: RLOOConfig
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | PreTrainedModel | None = None,
+        ref_model: str | os.PathLike[str] | PreTrainedModel | None = None,
+        reward_model: str | os.PathLike[str] | PreTrainedModel | None = None,
+        args: RLOOConfig | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        train_dataset: datasets.Dataset | None = None,
+        eval_dataset: datasets.Dataset | None = None,
+        peft_config: PeftConfig | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (
+            None,
+            None,
+        ),
+        reward_funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
+        reward_processing_class: PreTrainedTokenizerBase | None = None,
+        data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+        *,
+        config: RLOOConfig | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        policy: str | os.PathLike[str] | PreTrainedModel | None = None,
+        ref_policy: str | os.PathLike[str] | PreTrainedModel | None = None,
+    ) -> None:
+        model = _alias("model", model, "policy", policy)
+        ref_model = _alias("ref_model", ref_model, "ref_policy", ref_policy)
+        args = _alias("args", args, "config", config)
+        processing_class = _alias("processing_class", processing_class, "tokenizer", tokenizer)
+        if model is None:
+            raise ValueError("RLOOTrainer needs a policy: model=<path, Hub id or causal-LM model>.")
+        super().__init__(
+            model=model,
+            ref_model=ref_model,
+            reward_model=reward_model,
+            args=args,
+            processing_class=processing_class,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            reward_funcs=reward_funcs,
+            reward_processing_class=reward_processing_class,
+            data_collator=data_collator,
+        )
+
+    @property
+    def completions_per_prompt(self) -> int:  # type: ignore[override]
+        return self.args.rloo_k
+
+    @property
+    def needs_generation_logprobs(self) -> bool:  # type: ignore[override]
+        return self.args.truncated_is_cap is not None
+
+    def compute_advantages(self, rollout: dict[str, Any]) -> None:
+        args = self.args
+        k = args.rloo_k
+        mask = rollout["response_mask"]
+        valid = rollout["valid_rows"]
+        if args.token_level_kl:
+            rewards = self.token_rewards(rollout)
+            to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
+            returns = to_go[:, 0]
+            baseline = returns - leave_one_out(returns, valid, k)
+            advantages = torch.where(mask, to_go - baseline[:, None], torch.zeros_like(to_go))
+            rollout["rlhf_reward"] = returns
+        else:
+            rlhf_reward = rollout["scores"] - self.kl_ctl.value * rollout["kl"].sum(1)
+            advantages = leave_one_out(rlhf_reward, valid, k)[:, None]
+            rollout["rlhf_reward"] = rlhf_reward
+        if args.normalize_advantage:
+            adv_mask = mask if args.token_level_kl else valid[:, None]
+            advantages = F.whiten(advantages, adv_mask, shift_mean=True, all_reduce=self._all_reduce)
+        rollout["advantages"] = advantages
+        if args.truncated_is_cap is not None:
+            # training-pass log-probs / generation log-probs, capped: per sequence for the sequence-level
+            # loss (the ratio the blog prints), per token for the token-level one.
+            diff = (rollout["logprobs"] - rollout["gen_logprobs"]) * mask
+            if not args.token_level_kl:
+                diff = diff.sum(1, keepdim=True)
+            rollout["is_weights"] = diff.exp().clamp(max=args.truncated_is_cap)
+
+    def compute_policy_loss(
+        self, rollout: dict[str, Any], idx: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        args = self.args
+        mask = rollout["response_mask"][idx]
+        old = rollout["logprobs"][idx]
+        weights = rollout["is_weights"][idx] if "is_weights" in rollout else None
+        if args.token_level_kl:
+            new_lp, old_lp, loss_mask, agg = logprobs, old, mask, args.loss_agg_mode
+        else:
+            # The whole completion is one action: its log-prob is the sum over its tokens.
+            new_lp = (logprobs * mask).sum(1, keepdim=True)
+            old_lp = (old * mask).sum(1, keepdim=True)
+            loss_mask, agg = mask.any(1, keepdim=True), "token-mean"
+        loss, pm = F.clipped_policy_loss(
+            new_lp,
+            old_lp,
+            rollout["advantages"][idx],
+            loss_mask,
+            clip_low=args.cliprange,
+            clip_high=args.cliprange_high,
+            dual_clip=args.dual_clip,
+            loss_agg_mode=agg,
+            importance_weights=weights,
+        )
+        metrics = {
+            "loss/policy_avg": loss.detach(),
+            "policy/approxkl_avg": pm["approxkl"],
+            "policy/clipfrac_avg": pm["clipfrac"],
+            "policy/dual_clipfrac_avg": pm["dual_clipfrac"],
+            "val/ratio": pm["ratio_mean"],
+            "val/ratio_var": pm["ratio_var"],
+        }
+        return loss, metrics
+
+    def rollout_metrics(self, rollout: dict[str, Any]) -> dict[str, float]:
+        """The engine's metrics plus the RLOO ones: ``objective/rlhf_reward`` (the reward the baseline is
+        computed from), ``objective/reward_std_per_prompt`` (std of that reward over the k completions of a
+        prompt: 0 means no learning signal), ``rollout/num_completions_kept`` and, with truncated importance
+        sampling, ``policy/is_weight_mean`` and ``policy/gen_ratio_max`` (the generation-vs-training
+        ratio before capping)."""
+        metrics = super().rollout_metrics(rollout)
+        k = self.args.rloo_k
+        valid = rollout["valid_rows"]
+        rlhf = rollout["rlhf_reward"].float()
+        per_prompt = rlhf.reshape(k, -1)
+        ok = valid.reshape(k, -1).all(0)
+        std = per_prompt.std(0, unbiased=False)[ok]
+        sums = torch.stack(
+            [
+                (rlhf * valid).sum(),
+                valid.float().sum(),
+                std.sum(),
+                torch.tensor(float(std.numel()), device=rlhf.device),
+            ]
+        ).double()
+        sums = self._all_reduce(sums.to(self.accelerator.device)).cpu()
+        metrics["objective/rlhf_reward"] = float(sums[0] / sums[1].clamp_min(1))
+        metrics["objective/reward_std_per_prompt"] = float(sums[2] / sums[3].clamp_min(1))
+        metrics["rollout/num_completions_kept"] = float(sums[1])
+        if "is_weights" in rollout:
+            mask = rollout["response_mask"]
+            raw = ((rollout["logprobs"] - rollout["gen_logprobs"]) * mask).sum(1).exp()[valid]
+            stats = torch.stack(
+                [rollout["is_weights"].float().mean(), raw.max() if raw.numel() else raw.new_zeros(())]
+            )
+            gathered = self._gather(stats.reshape(1, 2)).cpu()
+            metrics["policy/is_weight_mean"] = float(gathered[:, 0].mean())
+            metrics["policy/gen_ratio_max"] = float(gathered[:, 1].max())
+        return metrics
+
+
+def _alias(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    if value is not None and alias_value is not None:
+        raise ValueError(f"{name}= and {alias}= name the same argument; give one of them.")
+    return value if value is not None else alias_value
