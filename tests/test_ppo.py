@@ -380,6 +380,8 @@ def test_fixed_length_responses_ignore_eos(kit, tmp_path):
     r = trainer.rollout(trainer._prompt_batch(0))
     assert (r["lengths"] == 10).all()
     assert r["response_mask"].all()
+    # Generation did not stop at EOS either: no padding anywhere, and EOS sampled mid-response is kept.
+    assert not (r["response"] == trainer.processing_class.pad_token_id).any()
     eos = _trainer(kit, tmp_path, response_length=10)
     r = eos.rollout(eos._prompt_batch(0))
     assert (r["lengths"] < 10).any(), "with stop_token='eos' responses end at EOS"

@@ -492,7 +492,9 @@ class OnPolicyTrainer(Trainer):
             top_k=0,
             top_p=1.0,
             pad_token_id=self.processing_class.pad_token_id,
-            eos_token_id=self._stop_ids if stop_in_generation else None,
+            # [] (not None, which generate() would fill from the model's generation config): sample the
+            # full length, with EOS a token like any other (the seed's fixed-length responses).
+            eos_token_id=self._stop_ids if stop_in_generation else [],
             use_cache=True,
             return_dict_in_generate=with_logprobs,
             output_logits=with_logprobs,
