@@ -175,7 +175,9 @@ class PPOTrainer(OnPolicyTrainer):
             loss_agg_mode=args.loss_agg_mode,
         )
         warmup = self.state.global_step < args.critic_warmup_steps
-        loss = args.vf_coef * vf_loss if warmup else pg_loss + args.vf_coef * vf_loss
+        # During warmup the policy term is kept in the graph with weight 0: its gradients are zeros, not
+        # missing, which DDP (find_unused_parameters=False) needs.
+        loss = args.vf_coef * vf_loss + (0.0 if warmup else 1.0) * pg_loss
         metrics = {
             "loss/policy_avg": pg_loss.detach(),
             "loss/value_avg": vf_loss.detach(),
