@@ -50,6 +50,12 @@ class RLOOConfig(OnPolicyConfig):
                 f"rloo_k={self.rloo_k!r}: the leave-one-out baseline needs at least 2 completions per prompt; "
                 "set rloo_k=2 or more."
             )
+        if self.whiten_rewards and not self.token_level_kl:
+            raise ValueError(
+                "whiten_rewards=True whitens per-token rewards, which only the token-level reward uses "
+                "(token_level_kl=True); the sequence-level reward would silently ignore it. Set "
+                "token_level_kl=True, or use normalize_advantage=True to whiten the sequence advantages."
+            )
         if self.truncated_is_cap is not None and not self.truncated_is_cap >= 1:
             raise ValueError(
                 f"truncated_is_cap={self.truncated_is_cap}: expected a cap >= 1 (e.g. 2.0), or None."

@@ -32,11 +32,10 @@ if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
-#: A minimal chat template (each message's content after a space, then EOS), for base models that have
-#: none; the RLOO blog's snippet sets one like it.
-SIMPLE_QUERY_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ ' ' + message['content'] }}{% endfor %}{{ eos_token }}"
-)
+#: A minimal chat template for the prompts of base models that have none (the RLOO blog's snippet sets it,
+#: TRL's own): each message's content after a space, and no EOS at the end, since the policy is to
+#: continue the query and end its own completion with EOS.
+SIMPLE_QUERY_CHAT_TEMPLATE = "{% for message in messages %}{{ ' ' + message['content'] }}{% endfor %}"
 
 
 def leave_one_out(values: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:

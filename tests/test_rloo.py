@@ -1,0 +1,732 @@
+"""RLOOTrainer on the offline kit's synthetic task (single process), and the RLOO blog's snippet.
+
+The task: complete a short prompt; the hidden true reward (:func:`rlhf_trainers.testing.true_reward`)
+is the sentiment balance of the completion, in [-1, 1]. The kit's ``llama-sft`` policy starts near 0.
+Rollout rows are laid out as in the RLOO blog: completion j of prompt i at row ``j * B + i``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import types
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from rlhf_trainers import PPOConfig, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
+from rlhf_trainers import functional as F
+from rlhf_trainers.onpolicy.trainer import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
+from rlhf_trainers.rloo import SIMPLE_QUERY_CHAT_TEMPLATE, leave_one_out
+from rlhf_trainers.testing import true_reward
+
+# Settings under which the tiny policy learns the task in a few seconds (8 prompts x 4 completions).
+LEARN = {
+    "learning_rate": 2e-3,
+    "per_device_train_batch_size": 16,
+    "num_mini_batches": 2,
+    "num_ppo_epochs": 2,
+    "response_length": 12,
+    "temperature": 1.0,
+    "kl_coef": 0.05,
+    "rloo_k": 4,
+}
+
+
+def _config(tmp_path, **overrides) -> RLOOConfig:
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "num_mini_batches": 1,
+        "num_ppo_epochs": 1,
+        "response_length": 8,
+        "temperature": 1.0,
+        "learning_rate": 1e-3,
+        "max_steps": 2,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "num_sample_generations": 0,
+        "disable_tqdm": True,
+    }
+    fields.update(overrides)
+    return RLOOConfig(**fields)
+
+
+def _trainer(kit, tmp_path, *, train_n=64, eval_n=None, model="llama-sft", **kwargs) -> RLOOTrainer:
+    trainer_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _TRAINER_ARGS}
+    trainer_kwargs.setdefault("reward_funcs", None if "reward_model" in trainer_kwargs else true_reward)
+    return RLOOTrainer(
+        model=kit.load_model(model) if isinstance(model, str) else model,
+        processing_class=kit.load_tokenizer(),
+        args=_config(tmp_path, **kwargs),
+        train_dataset=kit.prompt_dataset("train", n=train_n),
+        eval_dataset=kit.prompt_dataset("test", n=eval_n) if eval_n else None,
+        **trainer_kwargs,
+    )
+
+
+_TRAINER_ARGS = {
+    "reward_funcs",
+    "reward_model",
+    "ref_model",
+    "peft_config",
+    "reward_processing_class",
+    "callbacks",
+}
+
+
+def _digest(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()]).clone()
+
+
+class StopAt(TrainerCallback):
+    """Stop training after update ``step`` (an interruption that leaves the checkpoint of that step)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def _rollout(trainer: RLOOTrainer) -> dict:
+    r = trainer.rollout(trainer._prompt_batch(0))
+    trainer.compute_advantages(r)
+    return r
+
+
+# ---- learning -------------------------------------------------------------------------------------
+
+
+def test_learns_the_hidden_reward_with_a_reward_function(kit, tmp_path):
+    start = time.perf_counter()
+    trainer = _trainer(kit, tmp_path, train_n=512, eval_n=128, max_steps=30, **LEARN)
+    before = trainer.evaluate()["eval_objective/scores"]
+    trainer.train()
+    after = trainer.evaluate()["eval_objective/scores"]
+    seconds = time.perf_counter() - start
+    assert after - before >= 0.3, (before, after)
+    assert seconds < 180
+    logged = [h for h in trainer.state.log_history if "objective/rlhf_reward" in h]
+    assert logged[-1]["objective/rlhf_reward"] > logged[0]["objective/rlhf_reward"]
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(kit, tmp_path_factory):
+    """A reward model trained by RewardTrainer on the synthetic preferences (saved with its tokenizer)."""
+    out = tmp_path_factory.mktemp("rm")
+    trainer = RewardTrainer(
+        model=str(kit.model_path("llama-sft")),
+        args=RewardConfig(
+            output_dir=str(out),
+            per_device_train_batch_size=32,
+            learning_rate=3e-3,
+            num_train_epochs=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=0,
+            max_length=64,
+            disable_tqdm=True,
+        ),
+        train_dataset=kit.preference_dataset("train"),
+    )
+    trainer.train()
+    trainer.save_model(str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_learns_the_hidden_reward_with_a_trained_reward_model(kit, tmp_path, reward_model_dir):
+    start = time.perf_counter()
+    # The reward model drives training (weight 1); the hidden rule is logged beside it with weight 0.
+    trainer = _trainer(
+        kit,
+        tmp_path,
+        train_n=512,
+        eval_n=128,
+        max_steps=40,
+        reward_model=str(reward_model_dir),
+        reward_funcs=true_reward,
+        reward_weights=[1.0, 0.0],
+        **LEARN,
+    )
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    seconds = time.perf_counter() - start
+    gain = after["eval_objective/scores/true_reward"] - before["eval_objective/scores/true_reward"]
+    assert gain >= 0.3, (before, after)
+    assert after["eval_objective/scores/reward_model"] > before["eval_objective/scores/reward_model"]
+    assert seconds < 180
+
+
+# ---- the RLOO blog's snippet ----------------------------------------------------------------------
+
+# Verbatim from the RLOO blog (seeds/rloo-trainer-blog-zh.txt, "开始使用 TRL 的 RLOO"); the test replaces
+# only the model name and the two dataset lines.
+BLOG_SNIPPET = """\
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
+from trl.trainer.rloo_trainer import RLOOConfig, RLOOTrainer
+from trl.trainer.utils import SIMPLE_QUERY_CHAT_TEMPLATE
+base_model_name = "EleutherAI/pythia-1b-deduped"
+tokenizer = AutoTokenizer.from_pretrained(base_model_name, padding_side="left")
+tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+if tokenizer.chat_template is None:
+    tokenizer.chat_template = SIMPLE_QUERY_CHAT_TEMPLATE
+reward_model = AutoModelForSequenceClassification.from_pretrained(base_model_name, num_labels=1)
+ref_policy = AutoModelForCausalLM.from_pretrained(base_model_name)
+policy = AutoModelForCausalLM.from_pretrained(base_model_name)
+train_dataset = ... # make sure to have columns "input_ids"
+eval_dataset = ...
+trainer = RLOOTrainer(
+    config=RLOOConfig(
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=64,
+        total_episodes=30000,
+    ),
+    tokenizer=tokenizer,
+    policy=policy,
+    ref_policy=ref_policy,
+    reward_model=reward_model,
+    train_dataset=train_dataset,
+    eval_dataset=eval_dataset,
+)
+trainer.train()
+"""
+
+
+def _replace_once(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+@pytest.fixture
+def blog_base_model(kit, tmp_path):
+    """A kit model standing in for Pythia: its embedding table padded beyond the tokenizer (Pythia's 50304
+    rows for 50277 tokens), so the snippet's added "[PAD]" token (id 627, past the kit's vocabulary) has
+    a row."""
+    folder = tmp_path / "base"
+    model = kit.load_model("llama-sft")
+    model.resize_token_embeddings(640)
+    model.save_pretrained(folder)
+    kit.load_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_the_rloo_blog_snippet_runs_unchanged(kit, tmp_path, monkeypatch, blog_base_model):
+    class StoppingRLOOTrainer(RLOOTrainer):
+        """The snippet's total_episodes=30000 is 469 updates (minutes): stop after 2."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), StopAt(2)]
+            super().__init__(*args, **kwargs)
+
+    trl = types.ModuleType("trl")
+    trl_trainer = types.ModuleType("trl.trainer")
+    rloo_module = types.ModuleType("trl.trainer.rloo_trainer")
+    utils_module = types.ModuleType("trl.trainer.utils")
+    rloo_module.RLOOConfig = RLOOConfig
+    rloo_module.RLOOTrainer = StoppingRLOOTrainer
+    utils_module.SIMPLE_QUERY_CHAT_TEMPLATE = SIMPLE_QUERY_CHAT_TEMPLATE
+    trl.trainer = trl_trainer
+    trl_trainer.rloo_trainer, trl_trainer.utils = rloo_module, utils_module
+    for name, module in [
+        ("trl", trl),
+        ("trl.trainer", trl_trainer),
+        ("trl.trainer.rloo_trainer", rloo_module),
+        ("trl.trainer.utils", utils_module),
+    ]:
+        monkeypatch.setitem(sys.modules, name, module)
+    # RLOOConfig() without output_dir writes to ./trainer_output (transformers 5's default).
+    monkeypatch.chdir(tmp_path)
+
+    tok = kit.load_tokenizer()
+
+    def input_ids(split, n):
+        ds = kit.prompt_dataset(split, n=n)
+        return ds.map(lambda r: {"input_ids": tok(r["prompt"])["input_ids"]}, remove_columns=["prompt"])
+
+    code = _replace_once(BLOG_SNIPPET, '"EleutherAI/pythia-1b-deduped"', repr(str(blog_base_model)))
+    code = _replace_once(
+        code, 'train_dataset = ... # make sure to have columns "input_ids"', "train_dataset = kit_train"
+    )
+    code = _replace_once(code, "eval_dataset = ...", "eval_dataset = kit_eval")
+    namespace = {"kit_train": input_ids("train", 256), "kit_eval": input_ids("test", 16)}
+    exec(compile(code, "rloo_blog_snippet", "exec"), namespace)
+
+    trainer = namespace["trainer"]
+    assert isinstance(trainer, RLOOTrainer)
+    assert trainer.state.global_step == 2
+    assert trainer.num_updates == math.ceil(30000 / 64)  # 32 prompts x rloo_k=2 per update
+    assert trainer.args.output_dir == "trainer_output"
+    assert trainer.processing_class.pad_token == "[PAD]"
+    assert trainer.processing_class.pad_token_id == len(tok)  # a new token past the kit vocabulary
+    assert trainer.ref_model is namespace["ref_policy"] and trainer.reward_model is namespace["reward_model"]
+    assert not torch.equal(_digest(trainer.policy), _digest(namespace["ref_policy"]))
+    logged = [h for h in trainer.state.log_history if "objective/rlhf_reward" in h]
+    assert len(logged) == 2 and all(math.isfinite(h["objective/rlhf_reward"]) for h in logged)
+    assert logged[0]["rollout/num_completions_kept"] == 64
+
+
+def test_simple_query_chat_template_does_not_end_the_query_with_eos(kit):
+    tok = kit.load_tokenizer()
+    tok.chat_template = SIMPLE_QUERY_CHAT_TEMPLATE
+    text = tok.apply_chat_template([{"role": "user", "content": "the food was"}], tokenize=False)
+    assert text == " the food was"  # the policy continues the query and ends its completion with EOS
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+
+
+def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(kit, tmp_path):
+    settings = {
+        "max_steps": 4,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "logging_steps": 1,
+        "num_mini_batches": 2,
+        "num_ppo_epochs": 2,
+        "rloo_k": 4,
+        "adaptive_kl": True,  # the controller's state must come back too
+        "kl_target": 0.5,
+        "kl_horizon": 100,
+        "seed": 3,
+    }
+    full = _trainer(kit, tmp_path / "full", **settings)
+    full.train()
+    interrupted = _trainer(kit, tmp_path / "resumed", callbacks=[StopAt(2)], **settings)
+    interrupted.train()
+    assert interrupted.state.global_step == 2
+    checkpoint = tmp_path / "resumed" / "out" / "checkpoint-2"
+    assert (checkpoint / ONPOLICY_STATE_FILE).is_file()
+    assert (checkpoint / "model.safetensors").is_file()
+    assert not (checkpoint / VALUE_MODEL_DIR).exists()
+    resumed = _trainer(kit, tmp_path / "resumed", **settings)
+    resumed.train(resume_from_checkpoint=True)
+
+    def update(trainer, step):
+        return next(h for h in trainer.state.log_history if h.get("step") == step and "objective/kl" in h)
+
+    for step in (3, 4):
+        a, b = update(full, step), update(resumed, step)
+        for key in (
+            "objective/scores",
+            "objective/kl",
+            "objective/rlhf_reward",
+            "objective/reward_std_per_prompt",
+            "loss/policy_avg",
+            "objective/kl_coef",
+            "lr",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key, a[key], b[key])
+    assert torch.equal(_digest(full.policy), _digest(resumed.policy))
+
+
+# ---- models ---------------------------------------------------------------------------------------
+
+
+def test_peft_reference_is_the_adapter_disabled_policy_with_one_base_copy(kit, tmp_path):
+    from peft import LoraConfig
+
+    trainer = _trainer(
+        kit,
+        tmp_path,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        learning_rate=1e-2,
+        max_steps=3,
+    )
+    assert trainer.ref_model is None
+    assert trainer.value_model is None  # RLOO holds no value model
+    causal_lms = [
+        m
+        for root in (trainer.model, trainer.reward_model)
+        if root is not None
+        for m in root.modules()
+        if type(m).__name__.endswith("ForCausalLM")
+    ]
+    assert len(causal_lms) == 1, "the reference must not be a second copy of the base model"
+    base_before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if "lora_" not in n}
+    lora_before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if "lora_" in n}
+    trainer.train()
+    params = dict(trainer.policy.named_parameters())
+    assert all(torch.equal(params[n], p) for n, p in base_before.items()), "base weights must stay frozen"
+    assert any(not torch.equal(params[n], p) for n, p in lora_before.items()), "the adapter must train"
+    # Reference log-probs are the untouched base model's.
+    fresh = kit.load_model("llama-sft")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    mask = torch.ones_like(ids)
+    pos = F.position_ids_from_mask(mask)
+    response = ids[:, 3:]
+    ref = trainer._reference_logprobs(ids, mask, pos, response)
+    expected = F.logprobs_from_logits(fresh(input_ids=ids).logits[:, 2:-1], response, 1.0)
+    assert torch.allclose(ref, expected, atol=1e-5)
+    trainer.save_model()
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_three_models_and_no_value_model(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, reward_model=kit.load_model("llama-seqcls"))
+    assert trainer.value_model is None
+    assert [n for n, _ in trainer.model.named_children()] == ["policy"]
+    assert trainer.ref_model is not None and trainer.ref_model is not trainer.policy
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+    assert not any(p.requires_grad for p in trainer.reward_model.parameters())
+
+
+# ---- leave-one-out --------------------------------------------------------------------------------
+
+
+def test_leave_one_out_equals_rloo_advantages_when_all_completions_are_valid():
+    torch.manual_seed(0)
+    for k, B in [(2, 5), (4, 3), (8, 1)]:
+        values = torch.randn(k * B)
+        valid = torch.ones(k * B, dtype=torch.bool)
+        assert torch.allclose(leave_one_out(values, valid, k), F.rloo_advantages(values, k), atol=1e-6)
+
+
+def test_leave_one_out_reproduces_the_blog_example():
+    # 3 prompts x 4 completions; completion j of prompt i at j * 3 + i.
+    rlhf_reward = torch.tensor([1, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10]).float()
+    advantages = leave_one_out(rlhf_reward, torch.ones(12, dtype=torch.bool), 4)
+    assert advantages[0].item() == pytest.approx(1 - (2 + 5 + 8) / 3)
+    assert advantages[7].item() == pytest.approx(6 - (3 + 2 + 9) / 3)
+    # The blog's vectorised implementation.
+    r = rlhf_reward.reshape(4, 3)
+    torch.testing.assert_close(advantages, (r - (r.sum(0) - r) / 3).flatten())
+
+
+def test_invalid_completions_get_zero_and_leave_the_others_baselines():
+    rlhf_reward = torch.tensor([1, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 100]).float()
+    valid = torch.ones(12, dtype=torch.bool)
+    valid[11] = False  # prompt 2's fourth completion has no reward (its 100 must not count)
+    valid[4] = valid[7] = valid[10] = False  # prompt 1 keeps only its first completion
+    adv = leave_one_out(rlhf_reward, valid, 4)
+    assert adv[11] == 0 and adv[4] == 0 and adv[7] == 0 and adv[10] == 0
+    assert adv[1] == 0, "a prompt's only valid completion has no baseline"
+    assert adv[2].item() == pytest.approx(3 - (4 + 7) / 2)
+    assert adv[8].item() == pytest.approx(7 - (3 + 4) / 2)
+    assert adv[0].item() == pytest.approx(1 - (2 + 5 + 8) / 3)  # prompt 0 untouched
+
+
+def test_invalid_rewards_in_a_run_get_zero_advantage_and_are_counted(kit, tmp_path):
+    def sometimes_none(prompts, completions, **kwargs):
+        return [None if i % 3 == 0 else float(len(c)) for i, c in enumerate(completions)]
+
+    trainer = _trainer(kit, tmp_path, reward_funcs=sometimes_none, rloo_k=4, max_steps=1, logging_steps=1)
+    trainer.train()
+    r = trainer._last_rollout
+    valid = r["valid_rows"]
+    assert (r["advantages"][~valid] == 0).all()
+    assert torch.allclose(r["advantages"][:, 0], leave_one_out(r["rlhf_reward"], valid, 4))
+    logged = next(h for h in trainer.state.log_history if "rollout/num_completions_kept" in h)
+    assert logged["rollout/num_completions_kept"] == int(valid.sum()) == 8 - 3
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+# ---- options --------------------------------------------------------------------------------------
+
+
+def test_rloo_k_copies_each_prompt_k_times(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, rloo_k=4, per_device_train_batch_size=12)
+    assert trainer.local_prompts == 3
+    batch = trainer._prompt_batch(0)
+    r = _rollout(trainer)
+    B = batch["input_ids"].shape[0]
+    assert B == 3 and r["query"].shape[0] == r["response"].shape[0] == 12
+    for j in range(4):
+        assert torch.equal(r["query"][j * B : (j + 1) * B], batch["input_ids"])
+    assert r["prompts"][:B] * 4 == r["prompts"]
+    # The advantages of a prompt's k completions sum to 0 (leave-one-out over the same prompt).
+    assert torch.allclose(r["advantages"].reshape(4, B).sum(0), torch.zeros(B), atol=1e-5)
+    two = _trainer(kit, tmp_path, rloo_k=2)
+    assert two.local_prompts == 4 and two.batch_size == 8
+
+
+def test_sequence_level_and_token_level_advantages(kit, tmp_path):
+    # A reference other than the policy, so that the KL term is not zero.
+    trainer = _trainer(kit, tmp_path, rloo_k=4, ref_model=kit.load_model("llama"), kl_coef=0.1)
+    r = _rollout(trainer)
+    mask = r["response_mask"]
+    assert r["kl"].abs().sum() > 0
+    rlhf = r["scores"] - 0.1 * r["kl"].sum(1)
+    assert torch.allclose(r["rlhf_reward"], rlhf, atol=1e-6)
+    assert r["advantages"].shape == (8, 1)  # one action per completion
+    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
+
+    trainer.args.token_level_kl = True
+    trainer.compute_advantages(r)
+    rewards = trainer.token_rewards(r)  # -kl_coef * KL per token, score at the last token
+    to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
+    returns = to_go[:, 0]
+    assert torch.allclose(returns, rlhf, atol=1e-5)  # same total reward, spread over the tokens
+    baseline = returns - F.rloo_advantages(returns, 4)  # mean return of the other 3 completions
+    expected = (to_go - baseline[:, None]) * mask
+    assert r["advantages"].shape == mask.shape
+    assert torch.allclose(r["advantages"], expected, atol=1e-5)
+    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
+
+
+def test_kl_coef_enters_the_sequence_reward(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, rloo_k=4, ref_model=kit.load_model("llama"))
+    r = trainer.rollout(trainer._prompt_batch(0))
+    trainer.kl_ctl = F.FixedKLController(0.0)
+    trainer.compute_advantages(r)
+    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(r["scores"], 4), atol=1e-6)
+    trainer.kl_ctl = F.FixedKLController(0.5)
+    trainer.compute_advantages(r)
+    rlhf = r["scores"] - 0.5 * r["kl"].sum(1)
+    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
+
+
+def test_normalize_advantage_gives_zero_mean_over_valid_completions(kit, tmp_path):
+    def sometimes_none(prompts, completions, **kwargs):
+        return [None if i == 0 else float(len(c)) for i, c in enumerate(completions)]
+
+    trainer = _trainer(kit, tmp_path, reward_funcs=sometimes_none, rloo_k=4, per_device_train_batch_size=16)
+    r = _rollout(trainer)
+    valid = r["valid_rows"][:, None]
+    raw = r["advantages"].clone()
+    trainer.args.normalize_advantage = True
+    trainer.compute_advantages(r)
+    adv = r["advantages"]
+    assert float(F.masked_mean(adv, valid)) == pytest.approx(0.0, abs=1e-5)
+    assert float(F.masked_var(adv, valid)) == pytest.approx(1.0, abs=0.1)
+    assert not torch.allclose(adv, raw)
+    trainer.args.token_level_kl = True
+    trainer.compute_advantages(r)
+    assert float(F.masked_mean(r["advantages"], r["response_mask"])) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_sequence_loss_is_ppos_clipped_objective_on_summed_logprobs(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, rloo_k=4, cliprange=0.2)
+    r = _rollout(trainer)
+    idx = torch.tensor([0, 3, 5, 6])
+    mask = r["response_mask"][idx]
+    shift = torch.linspace(-0.3, 0.3, mask.shape[1])  # a policy away from the rollout one
+    logprobs = (r["logprobs"][idx] + shift).requires_grad_(True)
+    loss, metrics = trainer.compute_policy_loss(r, idx, logprobs, None)
+
+    ratio = ((logprobs - r["logprobs"][idx]) * mask).sum(1).exp()
+    adv = r["advantages"][idx, 0]
+    per_seq = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    assert loss.item() == pytest.approx(per_seq.mean().item(), rel=1e-5, abs=1e-7)
+    clipfrac = -adv * ratio.clamp(0.8, 1.2) > -adv * ratio  # the clip binds (PPO's clipfrac)
+    assert float(metrics["policy/clipfrac_avg"]) == pytest.approx(clipfrac.float().mean().item())
+    assert float(metrics["val/ratio"]) == pytest.approx(ratio.mean().item(), rel=1e-5)
+    # At ratio 1 the gradient is REINFORCE's: -A * d(sum log p) per sequence (the blog's point).
+    at_start = r["logprobs"][idx].clone().requires_grad_(True)
+    loss, _ = trainer.compute_policy_loss(r, idx, at_start, None)
+    loss.backward()
+    reinforce = -(adv[:, None] * mask) / len(idx)
+    assert torch.allclose(at_start.grad, reinforce, atol=1e-6)
+
+
+def test_truncated_importance_sampling_weights(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, rloo_k=4, truncated_is_cap=2.0)
+    assert trainer.needs_generation_logprobs
+    r = _rollout(trainer)
+    mask = r["response_mask"]
+    seq = ((r["logprobs"] - r["gen_logprobs"]) * mask).sum(1, keepdim=True)
+    assert torch.allclose(r["is_weights"], seq.exp().clamp(max=2.0))
+    # fp32: generation and the training-mode forward agree, the weights are 1.
+    assert torch.allclose(r["is_weights"], torch.ones_like(r["is_weights"]), atol=1e-4)
+    # A forced mismatch: the generation saw each token as 0.5 nats less likely -> capped at 2.
+    r["gen_logprobs"] = r["logprobs"] - 0.5
+    trainer.compute_advantages(r)
+    lengths = mask.sum(1, keepdim=True)
+    assert torch.allclose(r["is_weights"], (0.5 * lengths).exp().clamp(max=2.0))
+    assert (r["is_weights"][lengths >= 2] == 2.0).all()
+    # The weights multiply each sequence's clipped loss.
+    idx = torch.arange(8)
+    weighted, _ = trainer.compute_policy_loss(r, idx, r["logprobs"], None)
+    expected = (-r["advantages"][:, 0] * r["is_weights"][:, 0]).mean()
+    assert weighted.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    # Token level: one weight per token.
+    trainer.args.token_level_kl = True
+    trainer.compute_advantages(r)
+    assert r["is_weights"].shape == mask.shape
+    assert torch.allclose(r["is_weights"][mask], torch.full_like(r["is_weights"][mask], math.exp(0.5)))
+    # Without the cap there are no generation log-probs and no weights.
+    plain = _rollout(_trainer(kit, tmp_path, rloo_k=4))
+    assert "gen_logprobs" not in plain and "is_weights" not in plain
+
+
+def test_truncated_importance_sampling_metrics_with_a_real_mismatch(kit, tmp_path):
+    # Dropout on (kit GPT-2): generation runs in eval mode, the rollout forward in training mode.
+    trainer = _trainer(
+        kit, tmp_path, model="gpt2", disable_dropout=False, truncated_is_cap=1.0, max_steps=1, logging_steps=1
+    )
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "policy/is_weight_mean" in h)
+    assert logged["policy/gen_ratio_max"] > 1.0
+    assert logged["policy/is_weight_mean"] <= 1.0
+
+
+def test_reward_clip_and_missing_eos_penalty_shape_the_scores(kit, tmp_path):
+    def loud(prompts, completions, **kwargs):
+        return [5.0 if i % 2 else -5.0 for i in range(len(completions))]
+
+    trainer = _trainer(kit, tmp_path, reward_funcs=loud, reward_clip=1.0, rloo_k=4)
+    r = _rollout(trainer)
+    assert set(r["scores"].tolist()) <= {1.0, -1.0}
+    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(r["rlhf_reward"], 4), atol=1e-6)
+
+    def zero(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    short = _trainer(kit, tmp_path, reward_funcs=zero, missing_eos_penalty=1.0, response_length=2, rloo_k=4)
+    r = short.rollout(short._prompt_batch(0))
+    assert (~r["found_stop"]).any()
+    assert torch.equal(r["scores"], -(~r["found_stop"]).float())
+
+
+# ---- metrics --------------------------------------------------------------------------------------
+
+
+def test_metrics_have_the_rloo_names_and_no_critic(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, rloo_k=4, max_steps=1, logging_steps=1)
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "objective/kl" in h)
+    expected = {
+        "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+        "objective/scores", "objective/reward_std_per_prompt", "rollout/num_completions_kept",
+        "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+        "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "policy/ratio_at_start",
+        "policy/seq_ratio_at_start_mean", "policy/seq_ratio_at_start_max",
+        "policy/seq_ratio_at_start_clipfrac", "timing/generate", "timing/ref", "timing/reward",
+        "timing/update",
+    }  # fmt: skip
+    assert expected <= set(logged), expected - set(logged)
+    assert not [k for k in logged if k.startswith("critic/") or k in ("loss/value_avg", "timing/values")]
+    assert "policy/is_weight_mean" not in logged
+    assert logged["episode"] == 8 and logged["rollout/num_completions_kept"] == 8
+    # fp32 on CPU: the rollout log-probs are the first training forward's, ratio exactly 1 at the start.
+    assert logged["policy/ratio_at_start"] < 1e-5
+    assert logged["policy/seq_ratio_at_start_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert logged["policy/seq_ratio_at_start_clipfrac"] == 0
+    r = trainer._last_rollout
+    assert logged["objective/rlhf_reward"] == pytest.approx(float(r["rlhf_reward"].mean()), abs=1e-5)
+    std = r["rlhf_reward"].reshape(4, 2).std(0, unbiased=False).mean()
+    assert logged["objective/reward_std_per_prompt"] == pytest.approx(float(std), abs=1e-5)
+
+
+def test_batch_accounting_counts_prompts_and_completions(kit, tmp_path, capsys):
+    trainer = _trainer(
+        kit,
+        tmp_path,
+        rloo_k=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        max_steps=-1,
+        total_episodes=40,
+    )
+    assert trainer.num_updates == 3  # ceil(40 / 16)
+    trainer.args.max_steps = 1
+    trainer.num_updates = 1
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "4 prompts x 4 completion(s) = 16 completions per update" in out
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def test_errors_at_construction(kit, tmp_path):
+    tok = kit.load_tokenizer()
+    ds = kit.prompt_dataset("train", n=16)
+    model = kit.load_model("llama-sft")
+    with pytest.raises(ValueError, match="rloo_k=1"):
+        _config(tmp_path, rloo_k=1)
+    with pytest.raises(ValueError, match=r"num_mini_batches \(1\) = 6 completions .* multiple of rloo_k=4"):
+        RLOOTrainer(
+            model=model,
+            processing_class=tok,
+            reward_funcs=true_reward,
+            args=_config(tmp_path, per_device_train_batch_size=6, rloo_k=4),
+            train_dataset=ds,
+        )
+    with pytest.raises(TypeError, match="value_model"):
+        RLOOTrainer(
+            model=model,
+            value_model=kit.load_model("llama-seqcls"),
+            processing_class=tok,
+            reward_funcs=true_reward,
+            args=_config(tmp_path),
+            train_dataset=ds,
+        )
+    with pytest.raises(ValueError, match="model= and policy= name the same argument"):
+        RLOOTrainer(
+            model=model,
+            policy=model,
+            processing_class=tok,
+            reward_funcs=true_reward,
+            args=_config(tmp_path),
+            train_dataset=ds,
+        )
+    with pytest.raises(ValueError, match="args= and config= name the same argument"):
+        RLOOTrainer(
+            model=model,
+            processing_class=tok,
+            reward_funcs=true_reward,
+            args=_config(tmp_path),
+            config=_config(tmp_path),
+            train_dataset=ds,
+        )
+    with pytest.raises(TypeError, match="args must be a RLOOConfig"):
+        RLOOTrainer(
+            policy=model,
+            tokenizer=tok,
+            reward_funcs=true_reward,
+            config=PPOConfig(output_dir=str(tmp_path)),
+            train_dataset=ds,
+        )
+    with pytest.raises(ValueError, match="needs a policy"):
+        RLOOTrainer(processing_class=tok, reward_funcs=true_reward, args=_config(tmp_path), train_dataset=ds)
+    # The blog's tokenizer.add_special_tokens({"pad_token": "[PAD]"}) without room in the embeddings.
+    padded = kit.load_tokenizer()
+    padded.add_special_tokens({"pad_token": "[PAD]"})
+    with pytest.raises(ValueError, match="outside the policy's vocabulary"):
+        RLOOTrainer(
+            policy=model,
+            tokenizer=padded,
+            reward_funcs=true_reward,
+            config=_config(tmp_path),
+            train_dataset=ds,
+        )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("rloo_k", 1, "rloo_k=1"),
+        ("rloo_k", True, "rloo_k=True"),
+        ("truncated_is_cap", 0.5, "truncated_is_cap=0.5"),
+        ("whiten_rewards", True, "only the token-level reward uses"),
+        ("cliprange", 1.5, "cliprange=1.5"),
+        ("kl_coef", -1.0, "kl_coef=-1.0"),
+    ],
+)
+def test_config_validation(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path, **{field: value})
+
+
+def test_whiten_rewards_with_the_token_level_reward(kit, tmp_path):
+    trainer = _trainer(
+        kit, tmp_path, whiten_rewards=True, token_level_kl=True, per_device_train_batch_size=16
+    )
+    r = _rollout(trainer)
+    mask = r["response_mask"]
+    assert float(F.masked_var(trainer.token_rewards(r), mask)) == pytest.approx(1.0, abs=1e-3)
