@@ -142,6 +142,53 @@ def _vocab_size(model: nn.Module) -> int:
     return int(embeddings.weight.shape[0]) if embeddings.weight.dim() == 2 else int(embeddings.num_embeddings)
 
 
+def _zero3_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `model` that DeepSpeed ZeRO-3 partitioned (loaded under ``zero.Init``)."""
+    return [p for p in model.parameters() if hasattr(p, "ds_id")]
+
+
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s state dict with whole tensors, gathering ZeRO-3 partitions (a collective:
+    every process must call it)."""
+    params = _zero3_params(model)
+    gather: Any = contextlib.nullcontext()
+    if params:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    with gather, torch.no_grad():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> Any:
+    """``model.load_state_dict(state)`` that also fills ZeRO-3 partitioned parameters (a collective)."""
+    params = _zero3_params(model)
+    gather: Any = contextlib.nullcontext()
+    if params:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    with gather, torch.no_grad():
+        return model.load_state_dict(state, strict=strict)
+
+
+def copy_model(model: PreTrainedModel) -> PreTrainedModel:
+    """A deep copy of `model`. Under DeepSpeed ZeRO-3 with ``zero3_init_flag`` a model loaded from a path
+    is partitioned and ``copy.deepcopy`` would copy empty shards and DeepSpeed's bookkeeping: the copy is
+    then built from the config (partitioned again under ``zero.Init``) and filled with the gathered
+    weights."""
+    if not _zero3_params(model):
+        return copy.deepcopy(model)
+    state = _full_state_dict(model)
+    dtype = next(iter(model.parameters())).dtype
+    clone = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
+    _load_full_state_dict(clone, state)
+    if getattr(model, "generation_config", None) is not None:
+        clone.generation_config = copy.deepcopy(model.generation_config)
+    clone.train(model.training)
+    return clone
+
+
 class OnPolicyTrainer(Trainer):
     """The engine of :class:`~rlhf_trainers.PPOTrainer` and :class:`~rlhf_trainers.RLOOTrainer`.
 
@@ -242,7 +289,7 @@ class OnPolicyTrainer(Trainer):
             policy = get_peft_model(policy, peft_config)
         self.is_peft = _is_peft_model(policy)
         if ref_model is None and not self.is_peft:
-            ref_model = copy.deepcopy(policy)
+            ref_model = copy_model(policy)
         vocab = _vocab_size(policy)
         if processing_class.pad_token_id >= vocab:
             raise ValueError(
@@ -406,9 +453,24 @@ class OnPolicyTrainer(Trainer):
             f"updates, {self.total_episodes} episodes."
         )
 
+    def _fill_deepspeed_bucket_sizes(self) -> None:
+        """Fill the "auto" ZeRO bucket sizes of a DeepSpeed config file from the policy's hidden size, as
+        transformers does from ``model.config.hidden_size`` when the engine starts: the trained module
+        here (policy + value model) has no ``config``, and transformers would raise instead."""
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        hf_config = getattr(plugin, "hf_ds_config", None)
+        hidden = getattr(getattr(self.policy, "config", None), "hidden_size", None)
+        if hf_config is None or not isinstance(hidden, int):
+            return
+        hf_config.fill_only("zero_optimization.reduce_bucket_size", hidden * hidden)
+        if hf_config.is_zero3():
+            hf_config.fill_only("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
+            hf_config.fill_only("zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
+
     def _prepare_frozen_models(self) -> None:
         """Place the reference and reward models; under DeepSpeed ZeRO-3 wrap them in inference engines so
         their weights are partitioned like the trained ones."""
+        self._fill_deepspeed_bucket_sizes()
         device = self.accelerator.device
         self._ref_forward: Callable[..., Any] | None = None
         self._reward_forward: Callable[..., Any] | None = None
@@ -463,13 +525,38 @@ class OnPolicyTrainer(Trainer):
     def value_model(self) -> nn.Module | None:
         return self.accelerator.unwrap_model(self.model_wrapped).value_model
 
+    @contextlib.contextmanager
     def _generation_context(self) -> Any:
-        params = [p for p in self.policy.parameters() if hasattr(p, "ds_id")]
-        if params and self.args.ds3_gather_for_generation:
-            import deepspeed
+        """Under ZeRO-3, what generation needs around it. With ``ds3_gather_for_generation`` (or before
+        training, when no engine's hooks would fetch the shards): the policy's weights gathered whole and
+        the training engine's parameter hooks removed meanwhile, as DeepSpeed's own
+        ``unwrap_model_for_generation`` does: with the hooks on, every generation step would still run
+        the engine's fetch/trace bookkeeping, and ranks whose responses stop after different numbers of
+        steps would then issue different collectives and deadlock at the next forward pass. Without
+        gathering, the hooks fetch the shards layer by layer and ``generate(synced_gpus=True)`` keeps the
+        ranks in step."""
+        params = _zero3_params(self.policy)
+        if not params:
+            yield
+            return
+        optimizer = getattr(self.model_wrapped, "optimizer", None)
+        offload = getattr(optimizer, "parameter_offload", None)
+        if offload is not None and not self.args.ds3_gather_for_generation:
+            yield
+            return
+        import deepspeed
 
-            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-        return contextlib.nullcontext()
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if offload is None:
+                yield
+                return
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield
+            finally:
+                offload._register_deepspeed_module(offload.module)
 
     @torch.no_grad()
     def _generate(

@@ -20,7 +20,7 @@ import torch
 
 from .. import functional as F
 from ..models import _base, _gathered, _is_peft_model, check_one_label, find_score_head, load_reward_model
-from ..onpolicy.trainer import OnPolicyTrainer
+from ..onpolicy.trainer import OnPolicyTrainer, _full_state_dict, _load_full_state_dict, copy_model
 from .config import PPOConfig
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
             f"Cannot build a value model from {type(source).__name__}: it has no '{prefix}' backbone. Pass "
             "value_model= (a one-label sequence-classification model) or value_model_init='reward_model'."
         )
-    getattr(value, prefix).load_state_dict(backbone.state_dict())
+    # Whole tensors on both sides: under ZeRO-3 (zero3_init_flag) both models are partitioned.
+    _load_full_state_dict(getattr(value, prefix), _full_state_dict(backbone))
     value.to(next(source.parameters()).dtype)
     zero_value_head(value)
     if getattr(source.config, "pad_token_id", None) is not None:
@@ -114,7 +115,7 @@ class PPOTrainer(OnPolicyTrainer):
                     "value_model_init='reward_model' needs a reward_model; with reward functions only use "
                     "value_model_init='policy' or pass value_model=."
                 )
-            return copy.deepcopy(reward_model).requires_grad_(True).train()
+            return copy_model(reward_model).requires_grad_(True).train()
         return value_model_from_policy(policy)
 
     def _parameter_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:
