@@ -1,0 +1,96 @@
+"""Write the field tables of docs/ppo.md from the config dataclasses' metadata.
+
+    python docs/config_tables.py           # rewrite the tables between the markers in docs/ppo.md
+    python docs/config_tables.py --check   # exit 1 if docs/ppo.md is out of date
+
+A table lists the fields a class declares itself (name, default, help). The ``TrainingArguments`` fields
+that ``OnPolicyConfig`` re-declares are listed separately with both defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+from transformers import TrainingArguments
+
+from rlhf_trainers import OnPolicyConfig, PPOConfig
+
+DOC = Path(__file__).resolve().parent / "ppo.md"
+
+
+def _default(f: dataclasses.Field) -> object:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _fmt(value: object) -> str:
+    return f"`{value!r}`" if isinstance(value, str) else f"{value}"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _own_fields(cls: type, parent: type) -> list[dataclasses.Field]:
+    inherited = {f.name for f in dataclasses.fields(parent)}
+    return [f for f in dataclasses.fields(cls) if f.name not in inherited]
+
+
+def table(cls: type, parent: type) -> str:
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for f in _own_fields(cls, parent):
+        rows.append(f"| `{f.name}` | {_fmt(_default(f))} | {_cell(f.metadata.get('help', ''))} |")
+    return "\n".join(rows)
+
+
+def changed_defaults() -> str:
+    """The TrainingArguments fields OnPolicyConfig re-declares (new default, or new help in update units)."""
+    base = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    ours = {f.name: f for f in dataclasses.fields(OnPolicyConfig)}
+    rows = ["| field | `TrainingArguments` default | ours | meaning |", "|---|---|---|---|"]
+    for name in OnPolicyConfig.__annotations__:
+        if name in base:
+            rows.append(
+                f"| `{name}` | {_fmt(_default(base[name]))} | {_fmt(_default(ours[name]))} | "
+                f"{_cell(ours[name].metadata.get('help', ''))} |"
+            )
+    return "\n".join(rows)
+
+
+def render(text: str) -> str:
+    blocks = {
+        "onpolicy-defaults": changed_defaults(),
+        "onpolicy-fields": table(OnPolicyConfig, TrainingArguments),
+        "ppo-fields": table(PPOConfig, OnPolicyConfig),
+    }
+    for name, body in blocks.items():
+        pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"{DOC}: marker <!-- {name}:start --> ... <!-- {name}:end --> not found")
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if docs/ppo.md is out of date")
+    args = parser.parse_args()
+    text = DOC.read_text()
+    new = render(text)
+    if args.check:
+        if new != text:
+            print(f"{DOC} is out of date: run python docs/config_tables.py", file=sys.stderr)
+            sys.exit(1)
+        return
+    DOC.write_text(new)
+
+
+if __name__ == "__main__":
+    main()
