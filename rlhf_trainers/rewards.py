@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ import torch
 
 from . import functional as F
 from .models import align_pad_token, check_one_label, get_reward_normalization
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -430,6 +433,10 @@ def _rewards_tensor(values: Any, name: str, batch: int) -> torch.Tensor:
     return out
 
 
+#: What a failing reward function does (``RewardSources(on_error=...)``, ``reward_func_errors``).
+REWARD_ERROR_MODES = ("raise", "skip")
+
+
 class RewardSources:
     """The rewards of a rollout batch: a reward model and/or rule-based reward functions, weighted.
 
@@ -457,8 +464,12 @@ class RewardSources:
     time. A function must return one value per completion. ``None`` (no reward for that row) and
     non-finite values become NaN in its tensor. NaN is not dropped here: a row's ``total`` is NaN when
     any of its sources is NaN (even with weight 0), and what to do with such rows (skip, zero, combine
-    the other sources with ``nansum`` over ``per_source``) is the caller's decision. An exception inside a
-    function is raised again as a ``RuntimeError`` naming it, with the original as its cause.
+    the other sources with ``nansum`` over ``per_source``) is the caller's decision. A function that
+    raises, or returns the wrong number or kind of values, is handled per ``on_error``: ``"raise"``
+    raises a ``RuntimeError`` naming the function and the first prompt index whose row alone reproduces
+    the error (the original exception is the cause); ``"skip"`` gives NaN for every row of that
+    function in this batch (so they take no part in the update), logs a warning and counts the rows in
+    ``last_errors``.
 
     Under ZeRO-3 every process must call this with the same number of rows (the same number of
     reward-model forward passes).
@@ -473,8 +484,10 @@ class RewardSources:
         batch_size: rows per reward-model forward pass.
         max_length: if given, the reward model sees at most the last ``max_length`` tokens of each
             sequence (its end, where the score is read).
+        on_error: ``"raise"`` (default) or ``"skip"``: what a failing reward function does (see above).
 
     Attributes:
+        last_errors: rows of the last call whose reward function failed (``on_error="skip"``).
         names: one per source: ``"reward_model"`` first when there is one, then each function's
             ``__name__``, made unique (``name``, ``name_2``, ...).
         weights: one float per source, in the order of ``names``.
@@ -499,7 +512,12 @@ class RewardSources:
         reward_weights: Sequence[float] | None = None,
         batch_size: int = 64,
         max_length: int | None = None,
+        on_error: str = "raise",
     ) -> None:
+        if on_error not in REWARD_ERROR_MODES:
+            raise ValueError(f"on_error must be one of {REWARD_ERROR_MODES}, got {on_error!r}.")
+        self.on_error = on_error
+        self.last_errors = 0
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         if max_length is not None and (
@@ -647,6 +665,7 @@ class RewardSources:
         columns = dict(columns or {})
         self._check_required_columns(columns)
         per_source: dict[str, torch.Tensor] = {}
+        self.last_errors = 0
         names = iter(self.names)
         if self.reward_model is not None:
             per_source[next(names)] = self._score_with_model(
@@ -741,8 +760,8 @@ class RewardSources:
         finally:
             model.train(was_training)
 
-    @staticmethod
     def _run_func(
+        self,
         func: RewardFunc,
         spec: _FuncSpec,
         name: str,
@@ -753,7 +772,44 @@ class RewardSources:
     ) -> torch.Tensor:
         kwargs = {k: list(v) for k, v in columns.items() if spec.var_keyword or k in spec.params}
         try:
-            values = func(prompts=list(prompts), completions=list(completions), **kwargs)
+            return _rewards_tensor(
+                func(prompts=list(prompts), completions=list(completions), **kwargs), name, batch
+            )
         except Exception as err:
-            raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
-        return _rewards_tensor(values, name, batch)
+            if self.on_error == "skip":
+                self.last_errors += batch
+                logger.warning(
+                    "reward function %r failed on a batch of %d (%s: %s); its rows are left out of this update "
+                    "(reward_func_errors='skip').",
+                    name,
+                    batch,
+                    type(err).__name__,
+                    err,
+                )
+                return torch.full((batch,), math.nan)
+            if isinstance(err, (ValueError, TypeError)) and str(err).startswith(f"reward function {name!r}"):
+                raise  # a wrong return value: the message already says what was expected
+            where = _first_failing_row(func, name, prompts, completions, kwargs)
+            raise RuntimeError(
+                f"reward function {name!r} raised {type(err).__name__}: {err} ({where}). Fix the function, or set "
+                "reward_func_errors='skip' to leave the rows of a failing call out of the update."
+            ) from err
+
+
+def _first_failing_row(
+    func: RewardFunc,
+    name: str,
+    prompts: list[Prompt],
+    completions: list[str],
+    kwargs: dict[str, list[Any]],
+) -> str:
+    """Where a failing batch call fails: the first row that raises when called alone."""
+    for i in range(len(prompts)):
+        row = {k: [v[i]] for k, v in kwargs.items()}
+        try:
+            func(prompts=[prompts[i]], completions=[completions[i]], **row)
+        except Exception:
+            text = repr(prompts[i])
+            text = text if len(text) <= 80 else text[:77] + "..."
+            return f"at prompt index {i} of the batch: prompt {text}, completion {completions[i][:80]!r}"
+    return "on the whole batch; no single row reproduces it"

@@ -22,6 +22,12 @@ each path and checks the ranks end with identical weights.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -82,3 +88,257 @@ class EvaluateBeforeTrainMixin:
             # so train() wraps it.
             del model._is_accelerate_prepared
             self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model]
+
+
+# ---- reliability: atomic checkpoints, stop on a signal, non-finite steps ----------------------------------
+
+#: Prefix of the folder a checkpoint is written into before it is renamed to ``checkpoint-<step>``. It does
+#: not match ``transformers.trainer_utils.get_last_checkpoint``'s pattern, so a checkpoint that was being
+#: written when the process died is never picked for resuming.
+STAGING_PREFIX = ".incomplete-"
+
+
+@dataclass
+class ReliabilityArguments:
+    """Fields shared by every config of this package (mixed into the ``TrainingArguments`` subclasses)."""
+
+    save_on_interrupt: bool = field(
+        default=True,
+        metadata={
+            "help": "On SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) during train(): finish the current "
+            "step, write a checkpoint, and return from train() cleanly; train(resume_from_checkpoint=True) "
+            "continues from it. A second signal stops at once. False keeps Python's default behaviour."
+        },
+    )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={
+            "help": "An optimizer step whose gradients hold NaN or inf is skipped (weights and optimizer state "
+            "untouched) and counted in train/nonfinite_steps_skipped; at most this many consecutive steps are "
+            "skipped, the next non-finite one stops training with an error naming the likely causes. 0 stops "
+            "at the first one. (Not applied under DeepSpeed, whose engine owns the step.)"
+        },
+    )
+
+    def _check_reliability_fields(self) -> None:
+        if not isinstance(self.max_nonfinite_steps, int) or isinstance(self.max_nonfinite_steps, bool):
+            raise TypeError(f"max_nonfinite_steps must be an integer >= 0, got {self.max_nonfinite_steps!r}.")
+        if self.max_nonfinite_steps < 0:
+            raise ValueError(
+                f"max_nonfinite_steps must be >= 0 (0: stop at the first non-finite step), got "
+                f"{self.max_nonfinite_steps}."
+            )
+
+
+class AtomicCheckpointMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``): checkpoints are written into a
+    staging folder and renamed to ``checkpoint-<step>`` only once complete, and older checkpoints are
+    rotated away (``save_total_limit``) only after the new one is in place. A process killed while
+    saving leaves at most a ``.incomplete-checkpoint-<step>`` folder, which resuming ignores and the next
+    save removes.
+
+    Subclasses that store more state in a checkpoint override :meth:`_save_extra_checkpoint_state`.
+    """
+
+    _checkpoint_staging: str | None = None
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return self._checkpoint_staging or super()._get_output_dir(trial)  # type: ignore[misc]
+
+    def _save_extra_checkpoint_state(self, folder: str) -> None:
+        """Write state of the subclass into the checkpoint ``folder`` (still in staging)."""
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        try:
+            from transformers.trainer_utils import rotate_checkpoints
+        except ImportError:  # pragma: no cover - older transformers
+            rotate_checkpoints = None
+        args = self.args  # type: ignore[attr-defined]
+        run_dir = super()._get_output_dir(trial)  # type: ignore[misc]
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # type: ignore[attr-defined]
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        if args.should_save:
+            # Any staging folder here is left from a process that died while saving: remove them all.
+            if os.path.isdir(run_dir):
+                for entry in os.listdir(run_dir):
+                    if entry.startswith(STAGING_PREFIX):
+                        shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+            os.makedirs(staging, exist_ok=True)
+        self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]
+        self._checkpoint_staging = staging
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            self._save_extra_checkpoint_state(os.path.join(staging, name))
+        finally:
+            self._checkpoint_staging = None
+        self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]
+        if args.should_save:
+            final = os.path.join(run_dir, name)
+            old = os.path.join(run_dir, STAGING_PREFIX + "old-" + name)
+            if os.path.exists(final):  # the same step saved again (e.g. an interrupt right after a save)
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(os.path.join(staging, name), final)
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+            state = self.state  # type: ignore[attr-defined]
+            if state.best_model_checkpoint and state.best_model_checkpoint.startswith(staging):
+                state.best_model_checkpoint = final
+            if rotate_checkpoints is not None:
+                rotate_checkpoints(
+                    output_dir=run_dir,
+                    save_total_limit=args.save_total_limit,
+                    best_model_checkpoint=state.best_model_checkpoint,
+                    use_mtime=False,
+                )
+        self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]
+
+
+class InterruptHandler:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step (see ``save_on_interrupt``).
+
+    Installed by :func:`reliability_callback` for the duration of ``train()``, in the main thread only
+    (Python delivers signals there). A second signal restores the previous handlers and is handled by
+    them (SIGINT raises ``KeyboardInterrupt``)."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            self.uninstall()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signum, previous)
+                os.kill(os.getpid(), signum)
+            return
+        self.received = name
+        print(
+            f"\n{name} received: finishing the current step, then saving a checkpoint and stopping "
+            f"(send {name} again to stop at once).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+class NonFiniteStepGuard:
+    """An optimizer step-pre-hook that skips a step whose gradients are not finite.
+
+    Skipping is done by dropping the gradients (``p.grad = None``) before ``step()``: torch optimizers
+    leave a parameter without a gradient untouched (no update, no weight decay, no change to its moment
+    estimates or step count). Under DDP the gradients are the same on every rank after their all-reduce,
+    so every rank makes the same decision."""
+
+    def __init__(self, max_consecutive: int) -> None:
+        self.max_consecutive = max_consecutive
+        self.skipped = 0
+        self.consecutive = 0
+        self._handle: Any = None
+
+    def attach(self, optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        if self._handle is None and hasattr(inner, "register_step_pre_hook"):
+            self._handle = inner.register_step_pre_hook(self._pre_step)
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return
+        import torch
+
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        if finite:
+            self.consecutive = 0
+            return
+        self.skipped += 1
+        self.consecutive += 1
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        if self.consecutive > self.max_consecutive:
+            raise FloatingPointError(
+                f"{self.consecutive} consecutive optimizer steps had NaN or inf gradients (limit "
+                f"max_nonfinite_steps={self.max_consecutive}); training stopped with the weights of the last "
+                "finite step. Likely causes: a learning rate too high for this model; fp16 overflow (use bf16 or "
+                "fp32); rewards of a very large scale (set reward_scaling or reward_clip, or normalize the "
+                "reward model); NaN in the inputs or the reward model; max_grad_norm=0 with exploding "
+                "gradients (set max_grad_norm=1.0)."
+            )
+
+
+def reliability_callback(trainer: Any) -> Any:
+    """A ``TrainerCallback`` that gives ``trainer`` the behaviour of ``save_on_interrupt`` and
+    ``max_nonfinite_steps`` (see :class:`ReliabilityArguments`)."""
+    from transformers import TrainerCallback
+
+    class ReliabilityCallback(TrainerCallback):
+        """At every step end the signal flag is combined over processes (every rank stops at the same
+        step); when set, the step is saved and training stops."""
+
+        def __init__(self) -> None:
+            self.interrupt = InterruptHandler()
+            self.guard = NonFiniteStepGuard(getattr(trainer.args, "max_nonfinite_steps", 3))
+            self.installed = False
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.interrupt.received = None
+            if getattr(args, "save_on_interrupt", False):
+                self.installed = self.interrupt.install()
+            if trainer.optimizer is not None and not trainer.is_deepspeed_enabled:
+                self.guard.attach(trainer.optimizer)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not self.installed:
+                return
+            stop = self.interrupt.received is not None
+            if trainer.accelerator.num_processes > 1:
+                import torch
+
+                flag = torch.tensor([float(stop)], device=trainer.accelerator.device)
+                stop = bool(trainer.accelerator.reduce(flag, reduction="sum").item() > 0)
+            if stop:
+                trainer.interrupted = True
+                control.should_save = True
+                control.should_training_stop = True
+                if args.should_log:
+                    print(
+                        f"stopping at step {state.global_step} on {self.interrupt.received or 'a signal'}; "
+                        f"checkpoint-{state.global_step} in {args.output_dir}. Resume with "
+                        "trainer.train(resume_from_checkpoint=True).",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.interrupt.uninstall()
+            self.installed = False
+            self.guard.detach()
+
+    return ReliabilityCallback()

@@ -10,12 +10,14 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..functional import KL_ESTIMATORS, LOSS_AGG_MODES
+from ..rewards import REWARD_ERROR_MODES
+from ..trainer_utils import ReliabilityArguments
 
 STOP_TOKENS = ("eos",)
 
 
 @dataclass
-class OnPolicyConfig(TrainingArguments):
+class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     """Fields shared by :class:`~rlhf_trainers.PPOConfig` and :class:`~rlhf_trainers.RLOOConfig`.
 
     Every ``TrainingArguments`` field works as in ``transformers.Trainer``, with one difference of unit:
@@ -145,6 +147,15 @@ class OnPolicyConfig(TrainingArguments):
         default=1.0, metadata={"help": "Largest overlong penalty (with overlong_buffer_length)."}
     )
     reward_batch_size: int = field(default=64, metadata={"help": "Rows per reward-model forward pass."})
+    reward_func_errors: str = field(
+        default="raise",
+        metadata={
+            "help": "What a reward function that raises (or returns the wrong number or kind of values) does: "
+            "'raise' stops with an error naming the function and the first prompt index that fails alone; "
+            "'skip' leaves that call's rows out of the update and counts them in rollout/reward_func_errors. "
+            "None/NaN/inf values are always left out per row and counted in rollout/invalid_rewards."
+        },
+    )
 
     # ---- KL ---------------------------------------------------------------------------------
     kl_coef: float = field(
@@ -257,6 +268,11 @@ class OnPolicyConfig(TrainingArguments):
         if isinstance(self.model_init_kwargs, str):
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
         super().__post_init__()
+        self._check_reliability_fields()
+        if self.reward_func_errors not in REWARD_ERROR_MODES:
+            raise ValueError(
+                f"reward_func_errors={self.reward_func_errors!r}: expected one of {REWARD_ERROR_MODES}."
+            )
         for name in (
             "num_ppo_epochs",
             "num_mini_batches",
@@ -331,6 +347,37 @@ class OnPolicyConfig(TrainingArguments):
             )
         if self.overlong_penalty < 0:
             raise ValueError(f"overlong_penalty={self.overlong_penalty}: expected a number >= 0.")
+        plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
+        if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
+            self.check_deepspeed_config(plugin.deepspeed_config)
+
+    def check_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        """Raise a ValueError for DeepSpeed settings that cannot work with these fields.
+
+        Checked in ``__post_init__`` against the DeepSpeed config of ``deepspeed=`` or of
+        ``accelerate launch``: an ``"optimizer"`` section makes DeepSpeed build that optimizer itself,
+        so the trainer's own (``tf_style_adam``) would silently not be used; and under ZeRO-3,
+        ``save_model`` writes the policy (and PPO's value model) as ``from_pretrained`` folders only
+        from weights gathered on save (``stage3_gather_16bit_weights_on_model_save``), without which it
+        leaves a DeepSpeed checkpoint of the policy and value model together.
+        """
+        if "optimizer" in ds_config and self.tf_style_adam:
+            raise ValueError(
+                f"tf_style_adam=True, but the DeepSpeed config has an 'optimizer' section "
+                f"({ds_config['optimizer']!r}): DeepSpeed then builds that optimizer itself and TFStyleAdam "
+                "would silently not be used. Remove the 'optimizer' section (DeepSpeed then wraps the trainer's "
+                "optimizer), or set tf_style_adam=False."
+            )
+        zero = ds_config.get("zero_optimization") or {}
+        if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+            raise ValueError(
+                "DeepSpeed ZeRO-3 with stage3_gather_16bit_weights_on_model_save="
+                f"{zero.get('stage3_gather_16bit_weights_on_model_save')!r}: without gathering the weights on "
+                "save, save_model() and checkpoints cannot write the policy as a from_pretrained folder (only "
+                "a DeepSpeed checkpoint of the policy and value model together). Set "
+                '"stage3_gather_16bit_weights_on_model_save": true in zero_optimization of the DeepSpeed '
+                "config, or zero3_save_16bit_model: true in the accelerate config."
+            )
 
     @property
     def local_batch_size(self) -> int:

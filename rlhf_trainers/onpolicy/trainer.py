@@ -32,9 +32,17 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .. import functional as F
 from ..data import PromptCollator, PromptTokenizationStats, tokenize_prompts
-from ..models import _is_peft_model, check_one_label, disable_dropout, load_reward_model
+from ..models import (
+    _is_peft_model,
+    check_one_label,
+    check_onpolicy_models,
+    disable_dropout,
+    has_peft_adapter,
+    load_reward_model,
+)
 from ..optim import TFStyleAdam
 from ..rewards import RewardSources
+from ..trainer_utils import AtomicCheckpointMixin, reliability_callback
 from .config import OnPolicyConfig
 
 if TYPE_CHECKING:
@@ -189,7 +197,7 @@ def copy_model(model: PreTrainedModel) -> PreTrainedModel:
     return clone
 
 
-class OnPolicyTrainer(Trainer):
+class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
     """The engine of :class:`~rlhf_trainers.PPOTrainer` and :class:`~rlhf_trainers.RLOOTrainer`.
 
     Subclasses set ``_config_class`` and ``completions_per_prompt`` and implement
@@ -254,7 +262,7 @@ class OnPolicyTrainer(Trainer):
                 "'<|pad|>'}) and model.resize_token_embeddings(len(tokenizer))."
             )
         self._stop_ids = self._resolve_stop_ids(args, processing_class)
-        if peft_config is not None and _is_peft_model(model):
+        if peft_config is not None and has_peft_adapter(model):
             raise ValueError(
                 "model already has a PEFT adapter and peft_config was given too; pass the base model with "
                 "peft_config, or the PeftModel without it."
@@ -319,6 +327,7 @@ class OnPolicyTrainer(Trainer):
             reward_funcs=reward_funcs,
             reward_weights=args.reward_weights,
             batch_size=args.reward_batch_size,
+            on_error=args.reward_func_errors,
         )
 
         # ---- data ----
@@ -329,6 +338,20 @@ class OnPolicyTrainer(Trainer):
             train_dataset = self._tokenize(train_dataset, processing_class, args, "train", vocab)
             if eval_dataset is not None:
                 eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", vocab)
+        check_onpolicy_models(
+            policy,
+            processing_class,
+            prompts={"train": train_dataset, **({"eval": eval_dataset} if eval_dataset is not None else {})},
+            response_length=args.response_length,
+            stop_token_ids=self._stop_ids,
+            truncate_after=args.truncate_after,
+            ref_model=ref_model,
+            value_model=value,
+            reward_model=reward_model,
+            reward_model_reads_ids=self.reward_sources.same_tokenizer,
+            value_model_from_reward_model=value_model is None
+            and getattr(args, "value_model_init", None) == "reward_model",
+        )
         if data_collator is None:
             data_collator = PromptCollator(processing_class.pad_token_id)
 
@@ -351,6 +374,10 @@ class OnPolicyTrainer(Trainer):
         )
         self._log_buffer: dict[str, list[float]] = defaultdict(list)
         self._ratio_warned = False
+        #: True when the last train() stopped early on SIGTERM/SIGINT (``save_on_interrupt``).
+        self.interrupted = False
+        self._reliability = reliability_callback(self)
+        self.add_callback(self._reliability)
 
     # ---- construction helpers ------------------------------------------------------------------
 
@@ -781,6 +808,7 @@ class OnPolicyTrainer(Trainer):
         )
         timings["timing/reward"] += time.perf_counter() - t0
         out.update(prompts=prompts, completions=completions, per_source=per_source)
+        out["reward_func_errors"] = torch.tensor(float(self.reward_sources.last_errors), device=device)
         mask = out["response_mask"]
         out["kl"] = F.kl_penalty(out["logprobs"], out["ref_logprobs"], args.kl_estimator) * mask
         out["raw_scores"] = raw_scores.to(device)
@@ -1026,6 +1054,7 @@ class OnPolicyTrainer(Trainer):
             "val/num_eos_tokens": float(gathered[:, 7].sum()),
             "val/stop_token_rate": mean(8, every),
             "rollout/invalid_rewards": float((~ok).sum()),
+            "rollout/reward_func_errors": float(self._gather(rollout["reward_func_errors"].reshape(1)).sum()),
         }
         for name, scores in rollout["per_source"].items():
             values = self._gather(scores.float())
@@ -1085,6 +1114,7 @@ class OnPolicyTrainer(Trainer):
         elif resume_from_checkpoint is False:
             resume_from_checkpoint = None
         self.is_in_train = True
+        self.interrupted = False
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
             self._enable_gradient_checkpointing()
         if resume_from_checkpoint is not None and not self.is_deepspeed_enabled:
@@ -1123,6 +1153,7 @@ class OnPolicyTrainer(Trainer):
             self.state.epoch = self.state.global_step / self.updates_per_data_epoch
             metrics["lr"] = lr
             metrics["episode"] = self.state.global_step * self.batch_size
+            metrics["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
             for name, value in metrics.items():
                 self._log_buffer[name].append(value)
             last_metrics = metrics
@@ -1136,6 +1167,7 @@ class OnPolicyTrainer(Trainer):
         out = {
             "train_runtime": runtime,
             "train_steps_per_second": self.state.global_step / max(runtime, 1e-9),
+            "interrupted": self.interrupted,
         }
         out.update({k: v for k, v in last_metrics.items() if k.startswith("objective/")})
         return TrainOutput(self.state.global_step, last_metrics.get("loss/policy_avg", 0.0), out)
@@ -1145,6 +1177,7 @@ class OnPolicyTrainer(Trainer):
             logs = {name: sum(v) / len(v) for name, v in self._log_buffer.items()}
             logs["episode"] = self._log_buffer["episode"][-1]
             logs["lr"] = self._log_buffer["lr"][-1]
+            logs["train/nonfinite_steps_skipped"] = self._log_buffer["train/nonfinite_steps_skipped"][-1]
             self._log_buffer.clear()
             self.log(logs)
         if self.control.should_evaluate:
@@ -1302,19 +1335,12 @@ class OnPolicyTrainer(Trainer):
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
+    def _save_extra_checkpoint_state(self, folder: str) -> None:
         if self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            folder = os.path.join(
-                self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
             path = os.path.join(folder, ONPOLICY_STATE_FILE)
             state = {"kl_controller": self.kl_ctl.state_dict(), "global_step": self.state.global_step}
-            with open(path + ".tmp", "w") as fh:
+            with open(path, "w") as fh:
                 json.dump(state, fh, indent=2)
-            os.replace(path + ".tmp", path)
 
     def _load_onpolicy_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)

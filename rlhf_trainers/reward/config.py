@@ -7,12 +7,14 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from ..trainer_utils import ReliabilityArguments
+
 LONG_PAIRS = ("truncate", "drop")
 NORMALIZATION_WHEN = ("no", "before", "after", "before_and_after")
 
 
 @dataclass
-class RewardConfig(TrainingArguments):
+class RewardConfig(ReliabilityArguments, TrainingArguments):
     """Configuration of :class:`~rlhf_trainers.RewardTrainer`: every ``TrainingArguments`` field, plus
     the fields below. Defaults that differ from ``TrainingArguments``: ``num_train_epochs=1`` (the
     seed's), ``ddp_find_unused_parameters=False``, ``logging_steps=10`` and
@@ -122,6 +124,7 @@ class RewardConfig(TrainingArguments):
 
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
         super().__post_init__()
+        self._check_reliability_fields()
         if self.long_pairs not in LONG_PAIRS:
             raise ValueError(f"long_pairs={self.long_pairs!r}: expected one of {LONG_PAIRS}.")
         if self.max_length is not None and self.max_length < 2:

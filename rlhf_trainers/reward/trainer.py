@@ -13,18 +13,21 @@ import torch
 import torch.nn.functional as torch_F
 from transformers import PreTrainedTokenizerBase, Trainer
 
-from ..data import PreferenceCollator, PreferenceTokenizationStats, tokenize_preferences
+from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
 from ..models import (
     align_pad_token,
+    check_fits_context,
     disable_dropout,
+    embedding_rows,
     find_score_head,
     get_reward_normalization,
+    has_peft_adapter,
     load_reward_model,
     set_reward_normalization,
     write_reward_normalization,
 )
 from ..rewards import Prompt, compute_reward_normalization
-from ..trainer_utils import EvaluateBeforeTrainMixin
+from ..trainer_utils import AtomicCheckpointMixin, EvaluateBeforeTrainMixin, reliability_callback
 from .config import RewardConfig
 
 if TYPE_CHECKING:
@@ -61,7 +64,7 @@ def _pair_metrics(chosen: np.ndarray, rejected: np.ndarray) -> dict[str, float]:
     }
 
 
-class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
+class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
     """Trains a scalar reward model on preference pairs with the Bradley-Terry loss
     ``-log sigmoid(r_chosen - r_rejected - margin)``.
 
@@ -135,7 +138,7 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
             )
         if train_dataset is None and eval_dataset is None:
             raise ValueError("RewardTrainer needs a train_dataset (or at least an eval_dataset to evaluate).")
-        if peft_config is not None and _is_peft(model):
+        if peft_config is not None and has_peft_adapter(model):
             raise ValueError(
                 "model already has a PEFT adapter and peft_config was given too; pass the base model with "
                 "peft_config, or the PeftModel without it."
@@ -164,14 +167,14 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
 
         with PartialState().main_process_first():
             if train_dataset is not None:
-                train_dataset = self._tokenize(train_dataset, processing_class, args, "train")
+                train_dataset = self._tokenize(train_dataset, processing_class, args, "train", model)
             if isinstance(eval_dataset, dict):
                 eval_dataset = {
-                    name: self._tokenize(ds, processing_class, args, f"eval_{name}")
+                    name: self._tokenize(ds, processing_class, args, f"eval_{name}", model)
                     for name, ds in eval_dataset.items()
                 }
             elif eval_dataset is not None:
-                eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval")
+                eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", model)
 
         if data_collator is None:
             data_collator = PreferenceCollator(processing_class.pad_token_id)
@@ -195,11 +198,20 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
         self._normalization_policy = normalization_policy
         self._normalization_tokenizer = normalization_tokenizer
         self._normalization_prompts = normalization_prompts
+        #: True when the last train() stopped early on SIGTERM/SIGINT (``save_on_interrupt``).
+        self.interrupted = False
+        self._reliability = reliability_callback(self)
+        self.add_callback(self._reliability)
 
     # ---- data ---------------------------------------------------------------------------------
 
     def _tokenize(
-        self, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, args: RewardConfig, name: str
+        self,
+        dataset: datasets.Dataset,
+        tokenizer: PreTrainedTokenizerBase,
+        args: RewardConfig,
+        name: str,
+        model: torch.nn.Module,
     ) -> datasets.Dataset:
         tokenized, stats = tokenize_preferences(
             dataset,
@@ -208,6 +220,7 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
             long_pairs=args.long_pairs,
             add_eos=args.add_eos,
             num_proc=args.dataset_num_proc,
+            vocab_size=embedding_rows(model),
         )
         self.preprocessing_stats[name] = stats
         if stats.num_truncated or stats.num_dropped:
@@ -227,6 +240,13 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
                 f"{stats.num_dropped} dropped as longer than max_length={args.max_length}); raise max_length "
                 "or use long_pairs='truncate'."
             )
+        check_fits_context(
+            longest_sequence(tokenized, "input_ids_chosen", "input_ids_rejected"),
+            {"reward model": model},
+            given=f"the longest side of the {name} pairs (max_length={args.max_length})",
+            fix="Set max_length to at most that many positions: longer pairs then keep their last tokens (the "
+            "end of the response, where the reward is read).",
+        )
         return tokenized
 
     # ---- loss ---------------------------------------------------------------------------------
@@ -286,6 +306,8 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
         if "loss" in logs and self._pair_rewards["train"]:
             pairs = torch.cat(self._pair_rewards.pop("train")).double().numpy()
             logs.update(_pair_metrics(pairs[:, 0], pairs[:, 1]))
+        if "loss" in logs:
+            logs["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
         super().log(logs, start_time)
 
     # ---- normalization ------------------------------------------------------------------------
@@ -373,6 +395,7 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
         if when in ("before", "before_and_after") and not kwargs.get("resume_from_checkpoint") and not args:
             self.normalize_rewards()
         self._prepare_model_for_training()
+        self.interrupted = False
         output = super().train(*args, **kwargs)
         if when in ("after", "before_and_after"):
             self.normalize_rewards()
@@ -386,14 +409,6 @@ class RewardTrainer(EvaluateBeforeTrainMixin, Trainer):
         super()._save(output_dir, state_dict)
         if self.args.should_save:
             write_reward_normalization(self.model, output_dir or self.args.output_dir)
-
-
-def _is_peft(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, PeftModel)
 
 
 def _wrap_peft(model: PreTrainedModel, peft_config: PeftConfig) -> Any:

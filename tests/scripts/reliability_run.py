@@ -1,0 +1,109 @@
+"""One small training run on the offline kit, for tests/test_reliability.py (a fresh process per run).
+
+    python reliability_run.py TRAINER OUTPUT_DIR MODE [STEP]
+
+TRAINER is ppo, rloo or reward. MODE is:
+
+- ``full``: train max_steps (4) with a checkpoint every 2 steps;
+- ``kill-in-save``: the same, but the process SIGKILLs itself while writing the checkpoint of update
+  STEP (after the weights and optimizer are written, before the RNG and trainer state are);
+- ``signal``: the process sends itself SIGTERM during the update STEP (from inside the loss) and must
+  return from ``train()`` cleanly with that step's checkpoint written;
+- ``resume``: ``train(resume_from_checkpoint=True)`` in OUTPUT_DIR.
+
+Each mode that returns writes ``OUTPUT_DIR/log_history.json`` (``trainer.state.log_history``) and
+``OUTPUT_DIR/result.json`` (global step, whether train() was interrupted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import transformers
+
+from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
+from rlhf_trainers.testing import get_kit, true_reward
+
+COMMON = {
+    "max_steps": 4,
+    "save_strategy": "steps",
+    "save_steps": 2,
+    "logging_steps": 1,
+    "report_to": "none",
+    "use_cpu": True,
+    "seed": 5,
+    "disable_tqdm": True,
+}
+ONPOLICY = {
+    "per_device_train_batch_size": 8,
+    "num_mini_batches": 2,
+    "num_ppo_epochs": 2,
+    "response_length": 8,
+    "temperature": 1.0,
+    "learning_rate": 1e-3,
+    "num_sample_generations": 0,
+}
+
+
+def build(kind: str, output_dir: str):
+    kit = get_kit()
+    if kind == "reward":
+        args = RewardConfig(
+            output_dir=output_dir, per_device_train_batch_size=8, learning_rate=1e-3, max_length=64, **COMMON
+        )
+        return RewardTrainer(
+            model=str(kit.model_path("llama-sft")),
+            args=args,
+            train_dataset=kit.preference_dataset("train", n=64),
+        )
+    config, trainer = (PPOConfig, PPOTrainer) if kind == "ppo" else (RLOOConfig, RLOOTrainer)
+    extra = {"rloo_k": 2} if kind == "rloo" else {}
+    return trainer(
+        model=kit.load_model("llama-sft"),
+        processing_class=kit.load_tokenizer(),
+        args=config(output_dir=output_dir, **COMMON, **ONPOLICY, **extra),
+        train_dataset=kit.prompt_dataset("train", n=64),
+        reward_funcs=true_reward,
+    )
+
+
+def main() -> None:
+    kind, output_dir, mode = sys.argv[1:4]
+    step = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    trainer = build(kind, output_dir)
+    if mode == "kill-in-save":
+        save_rng = trainer._save_rng_state
+
+        def killing_save_rng_state(folder):
+            if trainer.state.global_step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return save_rng(folder)
+
+        trainer._save_rng_state = killing_save_rng_state
+    if mode == "signal":
+        compute = trainer.compute_loss if kind == "reward" else trainer.compute_policy_loss
+
+        def signalling(*args, **kwargs):
+            # global_step counts finished steps: this is the loss of update `step`.
+            if trainer.state.global_step == step - 1 and not getattr(trainer, "_sent", False):
+                trainer._sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            return compute(*args, **kwargs)
+
+        if kind == "reward":
+            trainer.compute_loss = signalling
+        else:
+            trainer.compute_policy_loss = signalling
+    output = trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
+    with open(os.path.join(output_dir, "log_history.json"), "w") as fh:
+        json.dump(trainer.state.log_history, fh)
+    with open(os.path.join(output_dir, "result.json"), "w") as fh:
+        json.dump({"global_step": trainer.state.global_step, "interrupted": trainer.interrupted}, fh)
+    print("transformers", transformers.__version__, "done", output.global_step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Reliability of the three trainers (issue #8): interruption and resume, atomic checkpoints, non-finite
+steps, failing reward functions.
+
+The kill and signal tests run the trainers in subprocesses (tests/scripts/reliability_run.py): a
+process that SIGKILLs itself while writing a checkpoint, or sends itself SIGTERM in the middle of an
+update, and a second process that resumes. The resumed run must log the same metrics as an
+uninterrupted run with the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer
+from rlhf_trainers.testing import true_reward
+from rlhf_trainers.trainer_utils import STAGING_PREFIX
+
+SCRIPT = Path(__file__).parent / "scripts" / "reliability_run.py"
+#: Logged values that measure time, not training, and Trainer's end-of-run summary: its train_loss divides
+#: the losses seen since the (re)start by all steps, so it is not comparable across a resume.
+TIME_KEYS = (
+    "timing/",
+    "perf/",
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "train_loss",
+)
+
+
+def _run(kind: str, out: Path, mode: str, step: int | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPT), kind, str(out), mode] + ([str(step)] if step else [])
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def _history(out: Path) -> dict[int, dict[str, float]]:
+    """Per step, the merged numeric training log entries (not time measurements)."""
+    merged: dict[int, dict[str, float]] = {}
+    for entry in json.loads((out / "log_history.json").read_text()):
+        values = {
+            k: v
+            for k, v in entry.items()
+            if isinstance(v, (int, float)) and k not in ("step", "epoch") and not k.startswith(TIME_KEYS)
+        }
+        merged.setdefault(entry["step"], {}).update(values)
+    return merged
+
+
+def _assert_same_steps(full: Path, resumed: Path, steps: list[int]) -> None:
+    a, b = _history(full), _history(resumed)
+    for step in steps:
+        assert step in a and step in b, (step, sorted(a), sorted(b))
+        keys = sorted(set(a[step]) & set(b[step]))
+        assert any(k.startswith(("loss", "objective/")) for k in keys), keys
+        for key in keys:
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ppo", "rloo", "reward"])
+def test_sigkill_while_saving_and_sigterm_mid_update_resume_like_an_uninterrupted_run(kind, tmp_path):
+    full = tmp_path / "full"
+    _ok(_run(kind, full, "full"))
+
+    # SIGKILL while checkpoint-4 is being written: the newest complete checkpoint is checkpoint-2.
+    killed = tmp_path / "killed"
+    proc = _run(kind, killed, "kill-in-save", 4)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (killed / f"{STAGING_PREFIX}checkpoint-4").is_dir()  # the partial write is there...
+    assert not (killed / "checkpoint-4").exists()  # ...but never under a name resume would pick
+    assert get_last_checkpoint(str(killed)) == str(killed / "checkpoint-2")
+    _ok(_run(kind, killed, "resume"))
+    _assert_same_steps(full, killed, [3, 4])
+    assert not (killed / f"{STAGING_PREFIX}checkpoint-4").exists()  # the re-save cleaned it up
+
+    # SIGTERM in the middle of update 3: train() finishes it, saves checkpoint-3 and returns cleanly.
+    stopped = tmp_path / "stopped"
+    proc = _run(kind, stopped, "signal", 3)
+    _ok(proc)
+    assert json.loads((stopped / "result.json").read_text()) == {"global_step": 3, "interrupted": True}
+    assert "SIGTERM received" in proc.stderr
+    assert (stopped / "checkpoint-3" / "trainer_state.json").is_file()
+    _assert_same_steps(full, stopped, [3])
+    _ok(_run(kind, stopped, "resume"))
+    _assert_same_steps(full, stopped, [4])
+
+
+# ---- in-process tests ---------------------------------------------------------------------------------
+
+
+def _ppo(kit, tmp_path, callbacks=None, reward_funcs=true_reward, **overrides) -> PPOTrainer:
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "num_mini_batches": 1,
+        "num_ppo_epochs": 1,
+        "response_length": 8,
+        "learning_rate": 1e-3,
+        "max_steps": 3,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "num_sample_generations": 0,
+        "disable_tqdm": True,
+        "logging_steps": 1,
+    }
+    fields.update(overrides)
+    return PPOTrainer(
+        model=kit.load_model("llama-sft"),
+        processing_class=kit.load_tokenizer(),
+        args=PPOConfig(**fields),
+        train_dataset=kit.prompt_dataset("train", n=32),
+        reward_funcs=reward_funcs,
+        callbacks=callbacks,
+    )
+
+
+def _digest(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()]).clone()
+
+
+class Snapshots(TrainerCallback):
+    """The policy's weights after every step."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.after: dict[int, torch.Tensor] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after[state.global_step] = _digest(self.trainer.policy)
+
+
+def _poison_training_logits(trainer, when) -> None:
+    """NaN logits in training forward passes (not in the rollout, which runs without gradients)."""
+
+    def hook(module, inputs, output):
+        if torch.is_grad_enabled() and when(trainer.state.global_step):
+            return output * math.nan
+        return output
+
+    trainer.policy.lm_head.register_forward_hook(hook)
+
+
+def test_a_step_with_nan_gradients_is_skipped_and_counted(kit, tmp_path):
+    snapshots = Snapshots()
+    trainer = _ppo(kit, tmp_path, callbacks=[snapshots])
+    snapshots.trainer = trainer
+    _poison_training_logits(trainer, lambda finished: finished == 1)  # update 2 only
+    trainer.train()
+    assert not torch.equal(snapshots.after[1], snapshots.after[3])
+    assert torch.equal(snapshots.after[1], snapshots.after[2])  # the skipped step changed nothing
+    assert (
+        torch.isfinite(_digest(trainer.policy)).all() and torch.isfinite(_digest(trainer.value_model)).all()
+    )
+    logs = {h["step"]: h for h in trainer.state.log_history if "train/nonfinite_steps_skipped" in h}
+    assert [logs[s]["train/nonfinite_steps_skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+
+
+def test_too_many_consecutive_nonfinite_steps_stop_training_with_the_causes(kit, tmp_path):
+    trainer = _ppo(kit, tmp_path, max_steps=5, max_nonfinite_steps=2)
+    _poison_training_logits(trainer, lambda finished: True)
+    with pytest.raises(
+        FloatingPointError, match=r"3 consecutive optimizer steps.*max_nonfinite_steps=2.*learning rate"
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 2  # two steps skipped, the third stopped training
+    assert torch.isfinite(_digest(trainer.policy)).all()
+
+
+def test_reward_trainer_skips_a_nonfinite_step(kit, tmp_path):
+    trainer = RewardTrainer(
+        model=str(kit.model_path("llama-sft")),
+        args=RewardConfig(
+            output_dir=str(tmp_path / "rm"),
+            per_device_train_batch_size=8,
+            max_steps=3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            max_length=64,
+            disable_tqdm=True,
+        ),
+        train_dataset=kit.preference_dataset("train", n=32),
+    )
+    head = trainer.model.score
+
+    def hook(module, inputs, output):
+        return output * math.nan if torch.is_grad_enabled() and trainer.state.global_step == 1 else output
+
+    head.register_forward_hook(hook)
+    trainer.train()
+    assert torch.isfinite(_digest(trainer.model)).all()
+    skipped = [h["train/nonfinite_steps_skipped"] for h in trainer.state.log_history if "loss" in h]
+    assert skipped[0] == 0.0 and skipped[-1] == 1.0
+
+
+def test_a_failing_reward_function_names_the_function_and_the_prompt(kit, tmp_path):
+    def picky(prompts, completions, **kwargs):
+        return [1.0 / (len(p) != len(prompts[0]) or 0) for p in prompts]  # ZeroDivisionError on some rows
+
+    trainer = _ppo(kit, tmp_path, reward_funcs=picky, max_steps=1)
+    with pytest.raises(
+        RuntimeError, match=r"reward function 'picky' raised ZeroDivisionError.*at prompt index \d+"
+    ):
+        trainer.train()
+
+
+def test_skip_mode_leaves_a_failing_call_out_of_the_update_and_counts_it(kit, tmp_path):
+    calls = []
+
+    def flaky(prompts, completions, **kwargs):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise ConnectionError("reward server timed out")
+        if len(calls) == 3:
+            return [0.0] * (len(prompts) - 1)  # one value short
+        return true_reward(prompts, completions)
+
+    trainer = _ppo(kit, tmp_path, reward_funcs=flaky, reward_func_errors="skip", max_steps=4)
+    trainer.train()
+    errors = [
+        h["rollout/reward_func_errors"]
+        for h in trainer.state.log_history
+        if "rollout/reward_func_errors" in h
+    ]
+    assert errors == [0.0, 8.0, 8.0, 0.0]
+    invalid = [
+        h["rollout/invalid_rewards"] for h in trainer.state.log_history if "rollout/invalid_rewards" in h
+    ]
+    assert invalid == [0.0, 8.0, 8.0, 0.0]
+    assert torch.isfinite(_digest(trainer.policy)).all()
+
+
+def test_nan_inf_and_none_rewards_are_masked_and_counted(kit, tmp_path):
+    def holes(prompts, completions, **kwargs):
+        bad = [math.nan, math.inf, None, -math.inf]
+        return [bad[i] if i < len(bad) else s for i, s in enumerate(true_reward(prompts, completions))]
+
+    trainer = _ppo(kit, tmp_path, reward_funcs=holes, max_steps=2)
+    trainer.train()
+    invalid = [
+        h["rollout/invalid_rewards"] for h in trainer.state.log_history if "rollout/invalid_rewards" in h
+    ]
+    assert invalid == [4.0, 4.0]
+    for h in trainer.state.log_history:
+        for key in ("objective/scores", "loss/policy_avg", "loss/value_avg"):
+            if key in h:
+                assert math.isfinite(h[key]), (key, h)
+    assert (
+        torch.isfinite(_digest(trainer.policy)).all() and torch.isfinite(_digest(trainer.value_model)).all()
+    )
+
+
+def test_checkpoints_appear_only_complete_and_rotation_waits_for_the_new_one(kit, tmp_path):
+    out = tmp_path / "out"
+    stale = out / f"{STAGING_PREFIX}checkpoint-2"
+    stale.mkdir(parents=True)
+    (stale / "half-written.bin").write_bytes(b"\0" * 10)
+    trainer = _ppo(kit, tmp_path, max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=2)
+    seen: list[list[str]] = []
+
+    class Watch(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen.append(sorted(os.listdir(out)))
+
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", "."))) == [
+        "checkpoint-3",
+        "checkpoint-4",
+    ]
+    for listing in seen:  # after every save: complete checkpoints only, never more than the limit
+        assert not [n for n in listing if n.startswith(STAGING_PREFIX)], listing
+        assert len([n for n in listing if n.startswith("checkpoint-")]) <= 2, listing
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+def test_save_on_interrupt_false_keeps_the_default_handlers(kit, tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    trainer = _ppo(kit, tmp_path, max_steps=1, save_on_interrupt=False, callbacks=[Look()])
+    trainer.train()
+    assert seen == [before]
+    trainer = _ppo(kit, tmp_path, max_steps=1, callbacks=[Look()])
+    trainer.train()
+    assert seen[-1] != before  # installed during train() ...
+    assert signal.getsignal(signal.SIGINT) == before  # ... and restored after
+
+
+def test_reliability_fields_are_validated():
+    with pytest.raises(ValueError, match="max_nonfinite_steps must be >= 0"):
+        PPOConfig(output_dir="x", max_nonfinite_steps=-1, use_cpu=True)
+    with pytest.raises(ValueError, match="reward_func_errors='ignore'"):
+        PPOConfig(output_dir="x", reward_func_errors="ignore", use_cpu=True)
+
+
+@pytest.mark.slow
+def test_memory_does_not_grow_over_a_run(tmp_path):
+    """A shorter form of benchmarks/long_run_memory.py (1,000 updates, 5 %): 120 updates with a checkpoint
+    every 20, the second half's peak RSS within 10 % of the first half's."""
+    script = Path(__file__).parents[1] / "benchmarks" / "long_run_memory.py"
+    cmd = [sys.executable, str(script), "--trainer", "ppo", "--updates", "120", "--save-steps", "20"]
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    _ok(proc)
+    report = json.loads((tmp_path / "long_run_memory_ppo.json").read_text())
+    assert len(report["rss_mib"]) == 120
+    assert report["ratio"] < 1.10, report
