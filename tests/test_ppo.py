@@ -614,12 +614,25 @@ def test_checkpoints_rotate_and_samples_are_written(kit, tmp_path):
         save_total_limit=2,
         num_sample_generations=2,
     )
-    trainer.train()
     out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (out / "samples.jsonl").write_text('{"update": 99, "from": "an earlier run in this folder"}\n')
+    output = trainer.train()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert {r["update"] for r in rows} >= {2, 4}
+    assert sorted({r["update"] for r in rows}) == [1, 3]  # num_sample_generations=2 tables, a fresh file
     assert all({"prompt", "completion", "score"} <= set(r) for r in rows)
+    losses = [h["loss/policy_avg"] for h in trainer.state.log_history if "loss/policy_avg" in h]
+    assert output.training_loss == pytest.approx(sum(losses) / len(losses))
+
+
+def test_eval_on_start_evaluates_before_the_first_update(kit, tmp_path):
+    trainer = _trainer(
+        kit, tmp_path, max_steps=1, eval_n=8, eval_on_start=True, eval_strategy="steps", eval_steps=5
+    )
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_objective/scores" in h]
+    assert [h["step"] for h in evals] == [0, 1]  # before the first update, and Trainer's at the last step
 
 
 def test_evaluation_does_not_change_the_training_run(kit, tmp_path):

@@ -654,7 +654,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 )
         return response, gen_logprobs
 
-    def _response_lengths(self, raw: torch.Tensor, generated_len: torch.Tensor | None = None) -> torch.Tensor:
+    def _response_lengths(self, raw: torch.Tensor) -> torch.Tensor:
         """Valid tokens per response: up to and including the first stop token (at index >=
         truncate_after); a response without one keeps every generated token."""
         R = raw.shape[1]
@@ -665,10 +665,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             idx >= self.args.truncate_after
         )
         first = F.first_true_indices(hits)
-        lengths = torch.where(first < R, first + 1, torch.full_like(first, R))
-        if generated_len is not None:
-            lengths = torch.minimum(lengths, generated_len)
-        return lengths
+        return torch.where(first < R, first + 1, torch.full_like(first, R))
 
     def _logprobs(self, logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         args = self.args
@@ -1140,10 +1137,18 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         model.train()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         start_time = time.time()
+        # num_sample_generations tables over the run: at updates 1, 1 + every, 1 + 2 * every, ...
         sample_every = (
             max(1, self.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
         )
+        if resume_from_checkpoint is None and self.is_world_process_zero():
+            # A fresh run starts a fresh sample file (a resumed one appends to its own).
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.output_dir, SAMPLES_FILE))
+        if args.eval_on_start and resume_from_checkpoint is None and self.eval_dataset is not None:
+            self.evaluate()
         last_metrics: dict[str, float] = {}
+        policy_losses: list[float] = []
         while self.state.global_step < self.num_updates and not self.control.should_training_stop:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             metrics = self._update(model, self.state.global_step)
@@ -1157,7 +1162,9 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             for name, value in metrics.items():
                 self._log_buffer[name].append(value)
             last_metrics = metrics
-            if sample_every and (self.state.global_step % sample_every == 0 or self.state.global_step == 1):
+            if "loss/policy_avg" in metrics:
+                policy_losses.append(metrics["loss/policy_avg"])
+            if sample_every and (self.state.global_step - 1) % sample_every == 0:
                 self._log_samples(self._last_rollout)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_save_evaluate(model)
@@ -1170,7 +1177,9 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             "interrupted": self.interrupted,
         }
         out.update({k: v for k, v in last_metrics.items() if k.startswith("objective/")})
-        return TrainOutput(self.state.global_step, last_metrics.get("loss/policy_avg", 0.0), out)
+        # training_loss, as Trainer reports it: the mean policy loss over the updates of this call.
+        training_loss = sum(policy_losses) / len(policy_losses) if policy_losses else 0.0
+        return TrainOutput(self.state.global_step, training_loss, out)
 
     def _log_save_evaluate(self, model: nn.Module) -> None:
         if self.control.should_log and self._log_buffer:
