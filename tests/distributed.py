@@ -26,7 +26,9 @@ starts load it in a second.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import faulthandler
 import hashlib
 import importlib.util
 import json
@@ -36,28 +38,45 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from transformers import TrainerCallback
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from transformers import Trainer
+
+    from rlhf_trainers.testing import OfflineKit
 
 __all__ = [
     "ACCELERATE_CONFIGS",
     "CONFIG_DIR",
+    "ONPOLICY_MODES",
     "REPO_ROOT",
     "TESTS_DIR",
+    "CountUpdates",
+    "OnPolicyRuns",
+    "Run",
+    "check_first_update_like_ddp",
+    "check_launch",
+    "check_resume",
+    "check_saved_policy",
     "deepspeed_available",
     "free_port",
     "gathered",
     "launch_command",
     "launch_env",
+    "onpolicy_config_kwargs",
+    "onpolicy_parser",
     "parameter_digest",
+    "parse_onpolicy_args",
     "read_rank_results",
     "requires_deepspeed",
     "run_script",
+    "train_and_report",
     "write_rank_result",
 ]
 
@@ -317,3 +336,255 @@ def write_rank_result(output_dir: str | os.PathLike[str], rank: int, result: Map
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rank": rank, **result}, indent=2, sort_keys=True) + "\n")
     return path
+
+
+# --------------------------------------------------------------------------------------------------
+# On-policy trainers (PPO, RLOO): what tests/scripts/{ppo,rloo}_distributed.py and their tests share
+# --------------------------------------------------------------------------------------------------
+
+#: The three launch modes of the on-policy tests, as ``pytest.mark.parametrize`` values of `deepspeed`.
+ONPOLICY_MODES = [
+    pytest.param(None, id="ddp"),
+    pytest.param("zero2", id="zero2", marks=[pytest.mark.deepspeed, requires_deepspeed]),
+    pytest.param("zero3", id="zero3", marks=[pytest.mark.deepspeed, requires_deepspeed]),
+]
+
+
+def onpolicy_parser(description: str) -> argparse.ArgumentParser:
+    """The command line every on-policy test script takes; a script adds its own options, then calls
+    :func:`parse_onpolicy_args`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--max_steps", type=int, default=20)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--num_eval_prompts", type=int, default=64)
+    parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N updates (0: none)")
+    parser.add_argument("--save_model", action="store_true", help="trainer.save_model(<output_dir>/final)")
+    parser.add_argument("--resume_from_checkpoint", default=None, help="train(resume_from_checkpoint=...)")
+    parser.add_argument(
+        "--no_gather_for_generation", action="store_true", help="ds3_gather_for_generation=False"
+    )
+    parser.add_argument(
+        "--dump_stacks_after",
+        type=float,
+        default=0,
+        help="seconds after which every rank prints its Python stacks and exits (a deadlock shows where the "
+        "ranks wait instead of running into the test's timeout); 0: never",
+    )
+    return parser
+
+
+def parse_onpolicy_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line and start the ``--dump_stacks_after`` watchdog."""
+    cli = parser.parse_args()
+    if cli.dump_stacks_after:
+        faulthandler.dump_traceback_later(cli.dump_stacks_after, exit=True)
+    return cli
+
+
+def onpolicy_config_kwargs(cli: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~rlhf_trainers.OnPolicyConfig` fields both scripts use: the kit's task (12-token
+    completions, temperature 1), 2 epochs x 2 mini-batches per update, a log entry per update, no
+    evaluation or sample tables during training, seed 0, CPU."""
+    return {
+        "output_dir": cli.output_dir,
+        "learning_rate": cli.learning_rate,
+        "per_device_train_batch_size": cli.per_device_train_batch_size,
+        "gradient_accumulation_steps": cli.gradient_accumulation_steps,
+        "num_mini_batches": 2,
+        "num_ppo_epochs": 2,
+        "response_length": 12,
+        "temperature": 1.0,
+        "kl_coef": 0.05,
+        "max_steps": cli.max_steps,
+        "logging_steps": 1,
+        "eval_strategy": "no",
+        "save_strategy": "steps" if cli.save_steps else "no",
+        "save_steps": cli.save_steps or 500,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "num_sample_generations": 0,
+        "seed": 0,
+        "use_cpu": True,
+        "ds3_gather_for_generation": not cli.no_gather_for_generation,
+    }
+
+
+class CountUpdates(TrainerCallback):
+    """Counts the updates this launch ran (a resumed run starts at the checkpoint's step)."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.updates += 1
+
+
+def train_and_report(
+    trainer: Trainer, cli: argparse.Namespace, models: Mapping[str, str], logs: Mapping[str, str]
+) -> dict[str, Any]:
+    """Evaluate, train (resuming from ``cli.resume_from_checkpoint``), evaluate, save the model if
+    ``cli.save_model``, and return what every on-policy script reports.
+
+    Args:
+        trainer: the on-policy trainer, built on every rank.
+        cli: the parsed :func:`onpolicy_parser` command line.
+        models: result-key prefix -> trainer attribute of a model to digest before and after training
+            (e.g. ``{"policy": "policy"}``): ``<prefix>_before``, ``<prefix>_digest``, ``<prefix>_numel``.
+        logs: result key -> metric name: the metric's value at every logged update, as a list.
+
+    Returns:
+        the digests and logs above, ``metrics_before``/``metrics`` (eval before and after),
+        ``world_size``, ``torch_world_size``, ``distributed_type``, ``zero_stage``, ``global_step``,
+        ``updates_run`` (by this launch) and ``train_seconds``. Every step is a collective under
+        ZeRO-3: call it on every rank.
+    """
+    import torch
+
+    counter = CountUpdates()
+    trainer.add_callback(counter)
+    result: dict[str, Any] = {
+        f"{p}_before": parameter_digest(getattr(trainer, a))[0] for p, a in models.items()
+    }
+    result["metrics_before"] = trainer.evaluate()
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=cli.resume_from_checkpoint)
+    result["train_seconds"] = time.perf_counter() - started
+    result["metrics"] = trainer.evaluate()
+    if cli.save_model:
+        trainer.save_model(f"{cli.output_dir}/final")
+    for prefix, attribute in models.items():
+        result[f"{prefix}_digest"], result[f"{prefix}_numel"] = parameter_digest(getattr(trainer, attribute))
+    history = [log for log in trainer.state.log_history if "objective/scores" in log]
+    result.update({key: [log[name] for log in history] for key, name in logs.items()})
+    state = trainer.accelerator.state
+    result.update(
+        world_size=state.num_processes,
+        torch_world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        distributed_type=str(state.distributed_type),
+        zero_stage=state.deepspeed_plugin.zero_stage if state.deepspeed_plugin else None,
+        global_step=trainer.state.global_step,
+        updates_run=counter.updates,
+    )
+    return result
+
+
+@dataclass
+class Run:
+    """One launch: its output folder and the results of its ranks (in rank order)."""
+
+    out: Path
+    results: list[dict[str, Any]]
+
+    @property
+    def rank0(self) -> dict[str, Any]:
+        return self.results[0]
+
+
+class OnPolicyRuns:
+    """Launches of an on-policy script on 2 ranks, with the trained runs (``updates`` updates, a checkpoint
+    every ``save_steps``, ``save_model()`` to ``<out>/final``) launched on first use and cached, so the
+    tests of a module share them.
+
+    Args:
+        script: the script in ``tests/scripts/``.
+        kit: the offline kit (built by the pytest process, so the ranks never race to build it).
+        root: where the cached runs write (``<root>/<mode>``).
+        updates, save_steps: of the trained runs.
+        dump_stacks_after: a deadlocked launch prints every rank's stacks and exits after this long,
+            before the launch timeout.
+    """
+
+    def __init__(
+        self,
+        script: str,
+        kit: OfflineKit,
+        root: Path,
+        *,
+        updates: int = 20,
+        save_steps: int = 10,
+        dump_stacks_after: float = 420,
+        timeout: float = 600,
+    ) -> None:
+        self.script, self.kit, self.root = script, kit, root
+        self.updates, self.save_steps = updates, save_steps
+        self.dump_stacks_after, self.timeout = dump_stacks_after, timeout
+        self.cache: dict[str, Run] = {}
+
+    def launch(self, out: Path, deepspeed: str | None, *args: str) -> Run:
+        """Run the script for ``updates`` updates with `args` and read the results of both ranks."""
+        run_script(
+            self.script,
+            [
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                str(self.updates),
+                "--dump_stacks_after",
+                str(self.dump_stacks_after),
+                *args,
+            ],
+            deepspeed=deepspeed,
+            env={"RLHF_TRAINERS_KIT_DIR": str(self.kit.root)},
+            timeout=self.timeout,
+        )
+        return Run(out, read_rank_results(out, 2))
+
+    def trained(self, deepspeed: str | None) -> Run:
+        """The cached trained run of a mode (None: DDP)."""
+        key = deepspeed or "ddp"
+        if key not in self.cache:
+            self.cache[key] = self.launch(
+                self.root / key, deepspeed, "--save_steps", str(self.save_steps), "--save_model"
+            )
+        return self.cache[key]
+
+
+def check_launch(results: Sequence[Mapping[str, Any]], deepspeed: str | None, updates: int) -> None:
+    """Both ranks ran in the expected distributed mode (DDP over gloo, or DeepSpeed at the expected ZeRO
+    stage) and reached update `updates`."""
+    for r in results:
+        assert r["torch_world_size"] == 2
+        expected = "DistributedType.DEEPSPEED" if deepspeed else "DistributedType.MULTI_CPU"
+        assert r["distributed_type"] == expected
+        assert r["zero_stage"] == {None: None, "zero2": 2, "zero3": 3}[deepspeed]
+        assert r["global_step"] == updates
+
+
+def check_first_update_like_ddp(rank0: Mapping[str, Any], ddp: Mapping[str, Any], loss: str) -> None:
+    """DeepSpeed's first update is DDP's: the same samples (same weights and seeds, so exactly the same
+    scores), the same `loss` (a logged list) and gradient norm up to the order of the reductions."""
+    assert rank0["scores"][0] == ddp["scores"][0]
+    assert rank0[loss][0] == pytest.approx(ddp[loss][0], rel=1e-4)
+    assert rank0["grad_norm"][0] == pytest.approx(ddp["grad_norm"][0], rel=1e-4)
+
+
+def check_saved_policy(folder: Path, rank0: Mapping[str, Any]) -> None:
+    """`folder` holds the run's final policy as full fp32 tensors, loadable with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(folder)
+    assert parameter_digest(policy) == (rank0["policy_digest"], rank0["policy_numel"])
+    # full tensors (fp32), not ZeRO-3 shards
+    assert (folder / "model.safetensors").stat().st_size > 4 * rank0["policy_numel"]
+
+
+def check_resume(
+    runs: OnPolicyRuns, deepspeed: str | None, out: Path, digests: Sequence[str] = ("policy_digest",)
+) -> list[dict[str, Any]]:
+    """Resume from the middle checkpoint of the trained run of `deepspeed` into `out`; the resumed run
+    must run only the remaining updates and end bitwise like the uninterrupted one (the `digests`
+    keys), logging the same scores after the checkpoint. Returns the resumed run's results."""
+    uninterrupted = runs.trained(deepspeed)
+    checkpoint = uninterrupted.out / f"checkpoint-{runs.save_steps}"
+    results = runs.launch(out, deepspeed, "--resume_from_checkpoint", str(checkpoint)).results
+    for r in results:
+        assert r["global_step"] == runs.updates
+        assert r["updates_run"] == runs.updates - runs.save_steps
+        # weights, optimizer state, scheduler, RNG and prompt order all restored: bitwise the same run
+        for key in digests:
+            assert r[key] == uninterrupted.rank0[key], key
+    assert results[0]["scores"][runs.save_steps :] == uninterrupted.rank0["scores"][runs.save_steps :]
+    return results

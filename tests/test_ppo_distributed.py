@@ -29,82 +29,39 @@ adds 45-90 s to compile its comm op, once.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import distributed
 import pytest
 import torch
-from distributed import parameter_digest, read_rank_results, requires_deepspeed, run_script
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from distributed import (
+    ONPOLICY_MODES,
+    OnPolicyRuns,
+    check_first_update_like_ddp,
+    check_launch,
+    check_resume,
+    check_saved_policy,
+    parameter_digest,
+    requires_deepspeed,
+)
+from transformers import AutoModelForSequenceClassification
 
 from rlhf_trainers.models import load_reward_model
 from rlhf_trainers.ppo.trainer import value_model_from_policy
 from rlhf_trainers.rewards import RewardSources
-from rlhf_trainers.testing import OfflineKit, true_reward
+from rlhf_trainers.testing import true_reward
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 UPDATES = 20
 SAVE_STEPS = 10
-# A deadlocked launch prints every rank's stacks and exits after this long, before the timeout.
-DUMP_STACKS_AFTER = 420
-
-MODES = [
-    pytest.param(None, id="ddp"),
-    pytest.param("zero2", id="zero2", marks=[pytest.mark.deepspeed, requires_deepspeed]),
-    pytest.param("zero3", id="zero3", marks=[pytest.mark.deepspeed, requires_deepspeed]),
-]
-
-
-@dataclass
-class Run:
-    out: Path
-    results: list[dict]
-
-    @property
-    def rank0(self) -> dict:
-        return self.results[0]
-
-
-def _launch(kit: OfflineKit, out: Path, deepspeed: str | None, *args: str) -> Run:
-    run_script(
-        "ppo_distributed.py",
-        [
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            str(UPDATES),
-            "--dump_stacks_after",
-            str(DUMP_STACKS_AFTER),
-            *args,
-        ],
-        deepspeed=deepspeed,
-        env={"RLHF_TRAINERS_KIT_DIR": str(kit.root)},
-        timeout=600,
-    )
-    return Run(out, read_rank_results(out, 2))
-
-
-class Runs:
-    """The training runs, launched on first use and shared by the tests of this module."""
-
-    def __init__(self, kit: OfflineKit, root: Path) -> None:
-        self.kit, self.root, self.cache = kit, root, {}
-
-    def trained(self, deepspeed: str | None) -> Run:
-        """20 updates with checkpoints every 10 and save_model() at the end."""
-        key = deepspeed or "ddp"
-        if key not in self.cache:
-            self.cache[key] = _launch(
-                self.kit, self.root / key, deepspeed, "--save_steps", str(SAVE_STEPS), "--save_model"
-            )
-        return self.cache[key]
 
 
 @pytest.fixture(scope="module")
-def runs(kit, tmp_path_factory) -> Runs:
-    return Runs(kit, tmp_path_factory.mktemp("ppo-dist"))
+def runs(kit, tmp_path_factory) -> OnPolicyRuns:
+    return OnPolicyRuns(
+        "ppo_distributed.py", kit, tmp_path_factory.mktemp("ppo-dist"), updates=UPDATES, save_steps=SAVE_STEPS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +76,9 @@ def _mean(values: list[float]) -> float:
 
 
 def _check_consistent_and_learned(results: list[dict], mode: str | None, start_digests, key: str) -> None:
+    check_launch(results, mode, UPDATES)
     rank0, rank1 = results
     for r in results:
-        assert r["torch_world_size"] == 2
-        assert r["distributed_type"] == ("DistributedType.DEEPSPEED" if mode else "DistributedType.MULTI_CPU")
-        assert r["zero_stage"] == {None: None, "zero2": 2, "zero3": 3}[mode]
-        assert r["global_step"] == UPDATES
         # Built from the same weights as on one process (under ZeRO-3: gathered from the partitions).
         assert (r["policy_before"], r["value_before"]) == start_digests
     # Both ranks hold the same policy and value weights, and both changed.
@@ -149,26 +103,18 @@ def _check_consistent_and_learned(results: list[dict], mode: str | None, start_d
 
 def _check_saved(folder: Path, rank0: dict) -> None:
     """``folder`` holds the run's final policy and value model, loadable with from_pretrained."""
-    policy = AutoModelForCausalLM.from_pretrained(folder)
-    assert parameter_digest(policy) == (rank0["policy_digest"], rank0["policy_numel"])
+    check_saved_policy(folder, rank0)
     value = AutoModelForSequenceClassification.from_pretrained(folder / "value_model")
     assert parameter_digest(value) == (rank0["value_digest"], rank0["value_numel"])
-    # full tensors (fp32), not ZeRO-3 shards
-    assert (folder / "model.safetensors").stat().st_size > 4 * rank0["policy_numel"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ONPOLICY_MODES)
 def test_learns_keeps_ranks_identical_and_saves(kit, runs, start_digests, mode):
     run = runs.trained(mode)
     _check_consistent_and_learned(run.results, mode, start_digests, key="")
     rank0 = run.rank0
     if mode is not None:
-        # The first update is DDP's: the same samples (same weights and seeds), the same losses and
-        # gradient norm up to the order of the reductions.
-        ddp = runs.trained(None).rank0
-        assert rank0["scores"][0] == ddp["scores"][0]
-        assert rank0["value_loss"][0] == pytest.approx(ddp["value_loss"][0], rel=1e-4)
-        assert rank0["grad_norm"][0] == pytest.approx(ddp["grad_norm"][0], rel=1e-4)
+        check_first_update_like_ddp(rank0, runs.trained(None).rank0, "value_loss")
     # save_model() and the last checkpoint hold the final weights; the checkpoints carry the on-policy
     # state and, under DeepSpeed, the engine's own checkpoint (4 optimizer steps per update).
     _check_saved(run.out / "final", rank0)
@@ -180,18 +126,9 @@ def test_learns_keeps_ranks_identical_and_saves(kit, runs, start_digests, mode):
         assert (checkpoint / f"global_step{SAVE_STEPS * 4}").is_dir()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_resume_ends_like_the_uninterrupted_run(kit, runs, tmp_path, mode):
-    uninterrupted = runs.trained(mode).rank0
-    checkpoint = runs.trained(mode).out / f"checkpoint-{SAVE_STEPS}"
-    results = _launch(kit, tmp_path / "out", mode, "--resume_from_checkpoint", str(checkpoint)).results
-    for r in results:
-        assert r["global_step"] == UPDATES
-        assert r["updates_run"] == UPDATES - SAVE_STEPS
-        # weights, optimizer state, scheduler, RNG and prompt order all restored: bitwise the same run
-        assert r["policy_digest"] == uninterrupted["policy_digest"]
-        assert r["value_digest"] == uninterrupted["value_digest"]
-    assert results[0]["scores"][SAVE_STEPS:] == uninterrupted["scores"][SAVE_STEPS:]
+@pytest.mark.parametrize("mode", ONPOLICY_MODES)
+def test_resume_ends_like_the_uninterrupted_run(runs, tmp_path, mode):
+    check_resume(runs, mode, tmp_path / "out", digests=("policy_digest", "value_digest"))
 
 
 # ZeRO-3 as the transformers docs configure it: a DeepSpeed config file whose batch sizes, gradient
@@ -218,7 +155,7 @@ DEEPSPEED_CONFIG_FILE = {
 @pytest.mark.deepspeed
 @requires_deepspeed
 def test_zero3_partitioned_generation_with_reward_and_reference_engines(
-    kit, tmp_path, start_digests, monkeypatch
+    kit, runs, tmp_path, start_digests, monkeypatch
 ):
     ds_config = tmp_path / "ds_config.json"
     ds_config.write_text(json.dumps(DEEPSPEED_CONFIG_FILE))
@@ -231,8 +168,7 @@ def test_zero3_partitioned_generation_with_reward_and_reference_engines(
     )
     # run_script takes its accelerate config from this table (an absolute path stays as it is)
     monkeypatch.setitem(distributed.ACCELERATE_CONFIGS, "zero3-config-file", str(accelerate_config))
-    run = _launch(
-        kit,
+    run = runs.launch(
         tmp_path / "out",
         "zero3-config-file",
         "--no_gather_for_generation",
