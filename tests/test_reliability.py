@@ -92,12 +92,32 @@ def test_sigkill_while_saving_and_sigterm_mid_update_resume_like_an_uninterrupte
     stopped = tmp_path / "stopped"
     proc = _run(kind, stopped, "signal", 3)
     _ok(proc)
-    assert json.loads((stopped / "result.json").read_text()) == {"global_step": 3, "interrupted": True}
+    result = json.loads((stopped / "result-rank0.json").read_text())
+    assert result == {"rank": 0, "global_step": 3, "interrupted": True, "world_size": 1}
     assert "SIGTERM received" in proc.stderr
     assert (stopped / "checkpoint-3" / "trainer_state.json").is_file()
     _assert_same_steps(full, stopped, [3])
     _ok(_run(kind, stopped, "resume"))
     _assert_same_steps(full, stopped, [4])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Under DDP (2 CPU ranks) only rank 1 gets SIGTERM, in the middle of update 3: the ranks combine
+    their flags, both finish update 3, write one checkpoint-3 together and return; a 2-rank resume
+    finishes the run."""
+    from distributed import read_rank_results, run_script
+
+    out = tmp_path / "ddp"
+    run_script(SCRIPT, ["ppo", str(out), "signal", "3"], num_processes=2, timeout=600)
+    results = read_rank_results(out)
+    assert [(r["global_step"], r["interrupted"]) for r in results] == [(3, True), (3, True)]
+    assert (out / "checkpoint-3" / "trainer_state.json").is_file()
+    assert not [p for p in out.iterdir() if p.name.startswith(STAGING_PREFIX)]
+    run_script(SCRIPT, ["ppo", str(out), "resume"], num_processes=2, timeout=600)
+    results = read_rank_results(out)
+    assert [(r["global_step"], r["interrupted"]) for r in results] == [(4, False), (4, False)]
 
 
 # ---- in-process tests ---------------------------------------------------------------------------------
@@ -322,7 +342,7 @@ def test_memory_does_not_grow_over_a_run(tmp_path):
     every 20, the second half's peak RSS within 10 % of the first half's."""
     script = Path(__file__).parents[1] / "benchmarks" / "long_run_memory.py"
     cmd = [sys.executable, str(script), "--trainer", "ppo", "--updates", "120", "--save-steps", "20"]
-    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     _ok(proc)
     report = json.loads((tmp_path / "long_run_memory_ppo.json").read_text())
     assert len(report["rss_mib"]) == 120

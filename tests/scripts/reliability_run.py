@@ -8,11 +8,12 @@ TRAINER is ppo, rloo or reward. MODE is:
 - ``kill-in-save``: the same, but the process SIGKILLs itself while writing the checkpoint of update
   STEP (after the weights and optimizer are written, before the RNG and trainer state are);
 - ``signal``: the process sends itself SIGTERM during the update STEP (from inside the loss) and must
-  return from ``train()`` cleanly with that step's checkpoint written;
+  return from ``train()`` cleanly with that step's checkpoint written; under ``accelerate launch`` only
+  rank 1 sends it, and every rank must stop after the same step;
 - ``resume``: ``train(resume_from_checkpoint=True)`` in OUTPUT_DIR.
 
-Each mode that returns writes ``OUTPUT_DIR/log_history.json`` (``trainer.state.log_history``) and
-``OUTPUT_DIR/result.json`` (global step, whether train() was interrupted).
+Each mode that returns writes ``OUTPUT_DIR/log_history.json`` (``trainer.state.log_history``, rank 0)
+and ``OUTPUT_DIR/result-rank<R>.json`` (global step, whether train() was interrupted, world size).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def main() -> None:
 
         def signalling(*args, **kwargs):
             # global_step counts finished steps: this is the loss of update `step`.
-            if trainer.state.global_step == step - 1 and not getattr(trainer, "_sent", False):
+            last_rank = trainer.accelerator.process_index == trainer.accelerator.num_processes - 1
+            if trainer.state.global_step == step - 1 and last_rank and not getattr(trainer, "_sent", False):
                 trainer._sent = True
                 os.kill(os.getpid(), signal.SIGTERM)
             return compute(*args, **kwargs)
@@ -98,10 +100,17 @@ def main() -> None:
         else:
             trainer.compute_policy_loss = signalling
     output = trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
-    with open(os.path.join(output_dir, "log_history.json"), "w") as fh:
-        json.dump(trainer.state.log_history, fh)
-    with open(os.path.join(output_dir, "result.json"), "w") as fh:
-        json.dump({"global_step": trainer.state.global_step, "interrupted": trainer.interrupted}, fh)
+    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    if rank == 0:
+        with open(os.path.join(output_dir, "log_history.json"), "w") as fh:
+            json.dump(trainer.state.log_history, fh)
+    result = {
+        "global_step": trainer.state.global_step,
+        "interrupted": trainer.interrupted,
+        "world_size": world,
+    }
+    with open(os.path.join(output_dir, f"result-rank{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, **result}, fh)
     print("transformers", transformers.__version__, "done", output.global_step)
 
 
