@@ -96,9 +96,7 @@ def test_sigkill_while_saving_and_sigterm_mid_update_resume_like_an_uninterrupte
     assert result == {"rank": 0, "global_step": 3, "interrupted": True, "world_size": 1}
     assert "SIGTERM received" in proc.stderr
     assert (stopped / "checkpoint-3" / "trainer_state.json").is_file()
-    _assert_same_steps(full, stopped, [3])
-    _ok(_run(kind, stopped, "resume"))
-    _assert_same_steps(full, stopped, [4])
+    _assert_same_steps(full, stopped, [3])  # (resuming after a signal: the DDP test below)
 
 
 @pytest.mark.slow
