@@ -1,15 +1,20 @@
 """The ``rlhf-trainers`` command.
 
-``rlhf-trainers demo``  the offline end-to-end demo (see :mod:`rlhf_trainers.demo`)
-``rlhf-trainers kit``   build the offline kit (or find it in the cache) and print where its assets are
+``rlhf-trainers demo``    the offline end-to-end demo (see :mod:`rlhf_trainers.demo`)
+``rlhf-trainers reward``  train a reward model (:mod:`rlhf_trainers.scripts.reward`)
+``rlhf-trainers ppo``     train a policy with PPO (:mod:`rlhf_trainers.scripts.ppo`)
+``rlhf-trainers rloo``    train a policy with RLOO (:mod:`rlhf_trainers.scripts.rloo`)
+``rlhf-trainers kit``     build the offline kit (or find it in the cache) and print where its assets are
 
-Each sub-command parses its own flags from a dataclass with ``transformers.HfArgumentParser``, so
-``rlhf-trainers demo --help`` documents every field. The trainers' sub-commands (``reward``, ``ppo``,
-``rloo``) arrive with the trainers (issues #3-#6).
+Each sub-command parses its own flags from dataclasses with ``transformers.HfArgumentParser``, so
+``rlhf-trainers ppo --help`` documents every field (every ``PPOConfig`` field is a flag). The trainer
+sub-commands run under ``accelerate launch`` too: ``accelerate launch -m rlhf_trainers.cli ppo ...``
+(see docs/cli.md).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -17,8 +22,14 @@ from dataclasses import dataclass, field
 
 _COMMANDS = {
     "demo": "offline end-to-end RLHF demo on CPU (builds the offline kit, trains, reports)",
+    "reward": "train a reward model on preference pairs (RewardTrainer; every RewardConfig field is a flag)",
+    "ppo": "train a policy with PPO (PPOTrainer; every PPOConfig field is a flag)",
+    "rloo": "train a policy with RLOO (RLOOTrainer; every RLOOConfig field is a flag)",
     "kit": "build the offline kit (tokenizer, tiny models, synthetic task) and print its paths",
 }
+
+#: The trainer sub-commands, each run by the module of the same name in rlhf_trainers.scripts.
+_TRAINER_COMMANDS = ("reward", "ppo", "rloo")
 
 
 @dataclass
@@ -37,6 +48,9 @@ def _usage() -> str:
     lines = ["usage: rlhf-trainers {" + ",".join(_COMMANDS) + "} [--help] [flags]", "", "commands:"]
     lines += [f"  {name:<6} {text}" for name, text in _COMMANDS.items()]
     lines += ["", "Run `rlhf-trainers COMMAND --help` for the flags of a command."]
+    lines += [
+        "Under accelerate: `accelerate launch [--config_file ...] -m rlhf_trainers.cli COMMAND [flags]`."
+    ]
     return "\n".join(lines)
 
 
@@ -55,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in _COMMANDS:
         print(f"rlhf-trainers: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         return 2
+    if command in _TRAINER_COMMANDS:
+        # rlhf_trainers.scripts.<name>.main parses the flags (exit status 2 with a message on a bad one),
+        # trains, saves and prints the metrics.
+        script = importlib.import_module(f"rlhf_trainers.scripts.{command}")
+        script.main(rest, prog=f"rlhf-trainers {command}")
+        return 0
 
     from transformers import HfArgumentParser
     from transformers.utils import logging as hf_logging
