@@ -45,6 +45,7 @@ through as lists.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import datasets
     from transformers import PreTrainedTokenizerBase
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "LONG_PAIR_POLICIES",
     "PREFERENCE_FORMATS",
@@ -67,6 +70,8 @@ __all__ = [
     "PromptTokenizationStats",
     "detect_preference_format",
     "detect_prompt_format",
+    "first_row_with_token",
+    "longest_sequence",
     "tokenize_preferences",
     "tokenize_prompts",
 ]
@@ -182,7 +187,8 @@ def detect_preference_format(dataset: datasets.Dataset) -> str:
     columns = set(dataset.column_names)
     if len(dataset) == 0:
         raise ValueError(
-            f"the preference dataset has 0 rows (columns: {sorted(columns)}); nothing to train on."
+            f"the preference dataset has 0 rows (columns: {sorted(columns)}); nothing to train on. Pass a "
+            "dataset with at least one pair (check the split you picked, or a filter that removed every row)."
         )
 
     if {"input_ids_chosen", "input_ids_rejected"} <= columns:
@@ -306,6 +312,17 @@ def _check_tokenize_args(
         raise ValueError(
             "add_eos=True but the tokenizer has no eos token; set tokenizer.eos_token or pass add_eos=False."
         )
+    if tokenizer.eos_token_id is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # Works, so a warning: the collator's attention mask comes from the lengths, and only the pooling
+        # position moves (the same way when PPO/RLOO score with this tokenizer).
+        logger.warning(
+            "The tokenizer's pad token is its EOS token (id %d). Sequence-classification models read the "
+            "score at the last token that is not padding, so a sequence ending with EOS is scored at the token "
+            "before that EOS, and the EOS itself is never scored. To score it, add a dedicated pad token: "
+            "tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and model.resize_token_embeddings("
+            "len(tokenizer)).",
+            tokenizer.eos_token_id,
+        )
 
 
 def tokenize_preferences(
@@ -315,6 +332,8 @@ def tokenize_preferences(
     long_pairs: str = "truncate",
     add_eos: bool = True,
     num_proc: int | None = None,
+    *,
+    vocab_size: int | None = None,
 ) -> tuple[datasets.Dataset, PreferenceTokenizationStats]:
     """Tokenize a preference dataset of any format (:func:`detect_preference_format`) into unpadded ids.
 
@@ -346,6 +365,8 @@ def tokenize_preferences(
         long_pairs: "truncate" or "drop" (see above).
         add_eos: append EOS to text-format sides that lack it.
         num_proc: processes for ``dataset.map`` (None: this process).
+        vocab_size: if given, every id must be in ``[0, vocab_size)`` (e.g. the size of the reward model's
+            input embeddings), which catches pairs tokenized with another tokenizer.
 
     Returns:
         ``(tokenized, stats)``. `tokenized` has the columns ``input_ids_chosen`` and
@@ -355,12 +376,14 @@ def tokenize_preferences(
 
     Raises:
         ValueError: bad arguments, a tokenizer without pad token (or without chat template for
-            conversational data, or without eos with `add_eos`), missing values, empty sequences,
-            and everything :func:`detect_preference_format` raises.
+            conversational data, or without eos with `add_eos`), missing values, empty sequences, ids
+            outside `vocab_size` (with the row index), and everything :func:`detect_preference_format`
+            raises.
     """
     import datasets
 
     _check_tokenize_args(tokenizer, max_length, long_pairs, add_eos, num_proc)
+    _check_prompt_args(None, vocab_size, None)
     fmt = detect_preference_format(dataset)
     if fmt == "conversational" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -388,7 +411,9 @@ def tokenize_preferences(
                 conversations = [p + c for p, c in zip(batch["prompt"], batch[side], strict=True)]
             else:
                 conversations = batch[side]
-            texts = tokenizer.apply_chat_template(conversations, tokenize=False)
+            for conversation, index in zip(conversations, indices, strict=True):
+                _check_messages(conversation, index, f"prompt + {side}" if has_prompt else side)
+            texts = _apply_chat_template(tokenizer, conversations, indices, tokenize=False)
             ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         else:
             _check_strings(batch[side], side, indices)
@@ -404,7 +429,12 @@ def tokenize_preferences(
                     seq.append(eos_id)
         for seq, index in zip(ids, indices, strict=True):
             if not seq:
-                raise ValueError(f"row {index}: {side} has 0 tokens; every side needs at least one.")
+                raise ValueError(
+                    f"row {index}: {side} has 0 tokens; every side needs at least one. Remove such rows first, "
+                    "e.g. with dataset.filter."
+                )
+            column = f"input_ids_{side}" if fmt == "tokenized" else side
+            _check_vocabulary(seq, index, column, vocab_size, "reward model")
         return ids
 
     def process(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
@@ -471,13 +501,19 @@ def _truncate_left(ids: list[int], max_length: int, bos_id: int | None) -> list[
 def _check_present(values: Sequence[Any], column: str, indices: list[int]) -> None:
     for value, index in zip(values, indices, strict=True):
         if value is None:
-            raise ValueError(f"row {index}: column {column!r} is missing (None).")
+            raise ValueError(
+                f"row {index}: column {column!r} is missing (None). Remove or fill such rows first, e.g. "
+                f"dataset.filter(lambda row: row[{column!r}] is not None)."
+            )
 
 
 def _check_strings(values: Sequence[Any], column: str, indices: list[int]) -> None:
     for value, index in zip(values, indices, strict=True):
         if not isinstance(value, str):
-            raise ValueError(f"row {index}: column {column!r} holds {_describe(value)}, expected a string.")
+            raise ValueError(
+                f"row {index}: column {column!r} holds {_describe(value)}, expected a string. Convert or "
+                "remove that row, e.g. with dataset.map or dataset.filter."
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -628,7 +664,10 @@ def detect_prompt_format(dataset: datasets.Dataset) -> str:
     _check_dataset_type(dataset)
     columns = sorted(dataset.column_names)
     if len(dataset) == 0:
-        raise ValueError(f"the prompt dataset has 0 rows (columns: {columns}); nothing to generate from.")
+        raise ValueError(
+            f"the prompt dataset has 0 rows (columns: {columns}); nothing to generate from. Pass a dataset "
+            "with at least one prompt (check the split you picked, or a filter that removed every row)."
+        )
     column = next((c for c in _PROMPT_COLUMNS if c in columns), None)
     if column is None:
         raise ValueError(
@@ -699,6 +738,7 @@ def _check_prompt_conversations(values: Sequence[Any], column: str, indices: lis
                 f"row {index}: column {column!r} holds {_describe(value)}, expected a non-empty list of "
                 '{"role", "content"} messages.'
             )
+        _check_messages(value, index, column)
         if value[-1]["role"] == "assistant":
             raise ValueError(
                 f"row {index}: the conversation in column {column!r} ends with an assistant message, but a "
@@ -706,6 +746,49 @@ def _check_prompt_conversations(values: Sequence[Any], column: str, indices: lis
                 "add_generation_prompt=True opens it). If the rows are full conversations, drop the last "
                 f"turn: dataset.map(lambda row: {{{column!r}: row[{column!r}][:-1]}})."
             )
+
+
+def _check_messages(messages: list[dict[str, Any]], index: int, column: str) -> None:
+    """ValueError naming the row and message unless each message has a role (a non-empty string) and a
+    content (a string, or a list of parts such as ``{"type": "text", "text": ...}``).
+
+    Arrow stores a column of messages as structs with the union of the keys of all rows, so a message
+    that lacks "content" (or "role") in one row reads as None there; a chat template would render it
+    as "None" or as nothing, without a word.
+    """
+    for position, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(
+                f"row {index}: message {position} of column {column!r} has role {role!r}; every message needs "
+                "a role, a non-empty string such as 'system', 'user' or 'assistant'. Fix or remove that row."
+            )
+        if not isinstance(content, (str, list)):
+            raise ValueError(
+                f"row {index}: message {position} (role {role!r}) of column {column!r} has content "
+                f"{_describe(content)}; every message needs a content: a string (may be empty), or a list of "
+                'parts like {"type": "text", "text": "..."}. Fix or remove that row.'
+            )
+
+
+def _apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Any], indices: list[int], **kwargs: Any
+) -> Any:
+    """``tokenizer.apply_chat_template`` over a batch; when the template fails, a ValueError names the
+    first row it fails on (templates raise on roles or orders they do not accept)."""
+    try:
+        return tokenizer.apply_chat_template(conversations, **kwargs)
+    except Exception:  # jinja2 TemplateError, or whatever the template's filters raise
+        for conversation, index in zip(conversations, indices, strict=True):
+            try:
+                tokenizer.apply_chat_template([conversation], **kwargs)
+            except Exception as row_err:
+                raise ValueError(
+                    f"row {index}: the tokenizer's chat template fails on this conversation "
+                    f"({type(row_err).__name__}: {row_err}); roles: {[m.get('role') for m in conversation]}. "
+                    "Fix or remove that row, or use a chat template that accepts these messages."
+                ) from row_err
+        raise
 
 
 def _chat_template_ids(result: Any) -> list[list[int]]:
@@ -737,16 +820,24 @@ def _checked_prompt_ids(ids: Any, index: int, column: str, vocab_size: int | Non
             f"row {index}: the prompt has 0 tokens ({what}); every prompt needs at least one. "
             "Remove empty prompts first, e.g. with dataset.filter."
         )
-    if vocab_size is not None:
-        for i in ids:
-            if not 0 <= i < vocab_size:
-                raise ValueError(
-                    f"row {index}: token id {i} is outside the vocabulary (vocab_size={vocab_size}, valid ids "
-                    f"0..{vocab_size - 1}). The prompts were tokenized with another tokenizer than the model's; "
-                    "tokenize them with the policy's tokenizer, or, if tokens were added to it, call "
-                    "model.resize_token_embeddings(len(tokenizer))."
-                )
+    _check_vocabulary(ids, index, column, vocab_size, "policy")
     return [int(i) for i in ids]
+
+
+def _check_vocabulary(
+    ids: Sequence[int], index: int, column: str, vocab_size: int | None, model: str
+) -> None:
+    """ValueError naming row `index` if an id of `ids` is outside ``[0, vocab_size)`` (None: no check)."""
+    if vocab_size is None:
+        return
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(
+                f"row {index}: token id {i} is outside the vocabulary (vocab_size={vocab_size}, valid ids "
+                f"0..{vocab_size - 1}) of the {model}, in column {column!r}: the text was tokenized with another "
+                f"tokenizer than the {model}'s. Tokenize it with the {model}'s tokenizer, or, if tokens were "
+                "added to that tokenizer, call model.resize_token_embeddings(len(tokenizer))."
+            )
 
 
 def tokenize_prompts(
@@ -823,7 +914,7 @@ def tokenize_prompts(
         elif fmt == "conversational":
             _check_prompt_conversations(values, column, indices)
             ids = _chat_template_ids(
-                tokenizer.apply_chat_template(values, tokenize=True, add_generation_prompt=True)
+                _apply_chat_template(tokenizer, values, indices, tokenize=True, add_generation_prompt=True)
             )
         else:
             ids = values
@@ -927,3 +1018,44 @@ class PromptCollator:
             if key not in batch:
                 batch[key] = [f[key] for f in features]
         return batch
+
+
+# --------------------------------------------------------------------------------------------------
+# Inspecting tokenized datasets (for the trainers' checks at construction)
+# --------------------------------------------------------------------------------------------------
+
+
+def _token_column(dataset: datasets.Dataset, column: str) -> Any:
+    """The Arrow list array of `column` over the dataset's rows, in order (honours select/shuffle)."""
+    if column not in dataset.column_names:
+        raise ValueError(f"the dataset has no column {column!r} (columns: {dataset.column_names}).")
+    return dataset.with_format("arrow")[column].combine_chunks()
+
+
+def longest_sequence(dataset: datasets.Dataset, *columns: str) -> int:
+    """Tokens in the longest sequence of the list-of-ids `columns` (e.g. ``"input_ids"``); 0 when empty.
+
+    Reads the Arrow lengths, without decoding any row, so it costs little on large datasets.
+    """
+    import pyarrow.compute as pc
+
+    longest = 0
+    for column in columns:
+        value = pc.max(pc.list_value_length(_token_column(dataset, column))).as_py()
+        longest = max(longest, value or 0)
+    return longest
+
+
+def first_row_with_token(dataset: datasets.Dataset, column: str, token_id: int) -> int | None:
+    """Index of the first row whose list of ids in `column` contains `token_id`, or None.
+
+    Used to find prompts that already hold the pad token (padded by the user, or an EOS that is also
+    the pad token), which batching could not tell from padding.
+    """
+    import pyarrow.compute as pc
+
+    ids = _token_column(dataset, column)
+    hit = pc.index(pc.equal(pc.list_flatten(ids), token_id), True).as_py()
+    if hit < 0:
+        return None
+    return int(pc.list_parent_indices(ids)[hit].as_py())

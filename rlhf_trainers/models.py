@@ -50,6 +50,65 @@ def _base(model: Any) -> PreTrainedModel:
     return model.get_base_model() if _is_peft_model(model) else model
 
 
+def has_peft_adapter(model: Any) -> bool:
+    """Whether `model` already carries a PEFT adapter: a ``PeftModel``, or a transformers model whose
+    adapter was loaded with ``load_adapter`` (or ``from_pretrained`` of an adapter folder)."""
+    return _is_peft_model(model) or bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+def embedding_rows(model: Any) -> int:
+    """Rows of the model's input embedding table: the token ids it can read are ``0..rows - 1``."""
+    embeddings = _base(model).get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0:
+        return int(weight.shape[0])
+    # ZeRO-3 partitions the weight (a flat, possibly empty shard); nn.Embedding keeps the full count.
+    return int(embeddings.num_embeddings)
+
+
+def context_length(model: Any) -> int | None:
+    """Most positions the model was built for (``config.max_position_embeddings``, GPT-2's ``n_positions``),
+    or None when its config does not say."""
+    value = getattr(getattr(_base(model), "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_fits_context(length: int, models: dict[str, Any], *, given: str, fix: str) -> None:
+    """ValueError unless sequences of `length` tokens fit the context of every model of `models`.
+
+    Args:
+        length: the longest sequence the models will see.
+        models: what each model is called in the message (e.g. "policy") -> the model (None: skipped).
+        given: how `length` comes about, for the message (e.g. "the longest prompt (12) + response_length
+            (250)").
+        fix: what to change, for the message.
+    """
+    for name, model in models.items():
+        limit = context_length(model) if model is not None else None
+        if limit is not None and length > limit:
+            raise ValueError(
+                f"{given} = {length} tokens, but the {name} has {limit} positions "
+                f"(config.max_position_embeddings): longer sequences index past its position table, or, "
+                f"with rotary positions, run at positions it was never trained on. {fix}"
+            )
+
+
+def check_reads_ids(model: Any, vocab_size: int, what: str, fix: str) -> None:
+    """ValueError unless `model` can read every token id below `vocab_size` (the policy's vocabulary).
+
+    The reference, value and (same-tokenizer) reward models read the policy's sampled token ids as they
+    are, so their embedding tables must cover the policy's: a smaller one fails at the first rollout
+    with an index error (or a CUDA device-side assert), long after construction.
+    """
+    rows = embedding_rows(model)
+    if rows < vocab_size:
+        raise ValueError(
+            f"The {what} has {rows} token embeddings but the policy's vocabulary has {vocab_size}: it reads "
+            f"the policy's token ids, and ids {rows}..{vocab_size - 1} would index past its embedding table "
+            f"(were its vocabularies made by different tokenizers?). {fix}"
+        )
+
+
 def find_score_head(model: nn.Module) -> tuple[str, nn.Linear]:
     """The scalar output head of a sequence-classification model: ``(attribute name, nn.Linear)``.
 
@@ -275,7 +334,7 @@ def align_pad_token(model: Any, tokenizer: PreTrainedTokenizerBase, what: str = 
     with another id there the reward is read at the wrong position, silently.
 
     Raises:
-        ValueError: if the tokenizer has no pad token (with the fix).
+        ValueError: if the tokenizer has no pad token, or one outside the model's vocabulary (with the fix).
     """
     if tokenizer.pad_token_id is None:
         raise ValueError(
@@ -284,6 +343,182 @@ def align_pad_token(model: Any, tokenizer: PreTrainedTokenizerBase, what: str = 
             "model.resize_token_embeddings(len(tokenizer)). Setting tokenizer.pad_token = tokenizer.eos_token "
             "also works for reward modeling, but then EOS tokens inside a sequence end it early."
         )
+    rows = embedding_rows(model)
+    if not 0 <= tokenizer.pad_token_id < rows:
+        raise ValueError(
+            f"The pad token id of the {what}'s tokenizer ({tokenizer.pad_token_id}) is outside the {what}'s "
+            f"vocabulary ({rows} token embeddings): padded batches would index past its embedding table. After "
+            "adding a pad token, call model.resize_token_embeddings(len(tokenizer)), or use a pad token the "
+            "model already has."
+        )
     config = _base(model).config
     if getattr(config, "pad_token_id", None) != tokenizer.pad_token_id:
         config.pad_token_id = tokenizer.pad_token_id
+
+
+def check_pad_token_use(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    reward_model_reads_ids: bool,
+    stop_token_ids: list[int],
+    truncate_after: int,
+    prompts_with_pad: dict[str, int | None],
+) -> None:
+    """The on-policy trainers' rules for a pad token that may also be a real token.
+
+    The policy, reference and value models get explicit attention masks, so for them padding is never
+    mistaken for text. A reward model that scores the policy's token ids (same tokenizer) is different:
+    it finds the real tokens as those that are not the pad id (:func:`rlhf_trainers.rewards.score_ids`).
+
+    - A prompt holding a dedicated pad token (not also EOS, BOS or UNK): error, the prompts look padded
+      already (the trainer pads each batch itself).
+    - A prompt holding a pad token that is also EOS, BOS or UNK, with a reward model on the ids: error,
+      the reward model would skip that token.
+    - pad == EOS with a reward model on the ids, when EOS can be an ordinary token of a response (no stop
+      at EOS: ``stop_token=None`` or another ``stop_token_id``; or ``truncate_after > 0``): error.
+    - pad == EOS with a reward model on the ids, responses ending at their first EOS: a warning; the final
+      EOS is then never scored (``RewardTrainer`` reads the score there too when its tokenizer pads with
+      EOS), which works.
+
+    Args:
+        tokenizer: the policy's tokenizer (with a pad token).
+        reward_model_reads_ids: a reward model scores the policy's token ids as they are.
+        stop_token_ids: the ids that end a response ([] for fixed-length responses).
+        truncate_after: stop tokens only count from this response index on.
+        prompts_with_pad: dataset name ("train", "eval") -> first row whose prompt holds the pad id, or None.
+
+    Raises:
+        ValueError: in the error cases above, naming the dataset and row, or the settings, and the fix.
+    """
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    dedicated_fix = (
+        "Give the tokenizer a dedicated pad token: tokenizer.add_special_tokens({'pad_token': '<|pad|>'}), "
+        "then model.resize_token_embeddings(len(tokenizer)) for the policy (and the reward model)."
+    )
+    others = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("eos", "bos", "unk")}
+    also = [name.upper() for name, value in others.items() if value is not None and value == pad]
+    for name, row in prompts_with_pad.items():
+        if row is None:
+            continue
+        if not also:
+            raise ValueError(
+                f"{name} dataset, row {row}: the prompt holds the pad token (id {pad}), so the prompts look "
+                "padded already. Give them unpadded (without pad ids): the trainer pads each batch itself, on "
+                "the left."
+            )
+        if reward_model_reads_ids:
+            raise ValueError(
+                f"{name} dataset, row {row}: the prompt holds token id {pad}, which is both the pad token and "
+                f"the {'/'.join(also)} token. The reward model scores the policy's token ids and takes every "
+                f"pad id for padding, so it would skip this token and score another sequence than the one "
+                f"generated. {dedicated_fix}"
+            )
+    if not reward_model_reads_ids or eos is None or pad != eos:
+        return
+    reasons = []
+    if eos not in stop_token_ids:
+        reasons.append(
+            "responses do not stop at EOS (stop_token=None or another stop_token_id), so EOS is an ordinary "
+            "token inside them"
+        )
+    if truncate_after > 0:
+        reasons.append(f"truncate_after={truncate_after}: EOS tokens before that index are ordinary tokens")
+    if reasons:
+        raise ValueError(
+            f"The tokenizer's pad token is its EOS token (id {eos}) and {'; and '.join(reasons)}. The reward "
+            "model scores the policy's token ids and takes every pad id for padding, so it would skip those "
+            f"EOS tokens and score another sequence than the one generated. {dedicated_fix} Or stop responses "
+            "at their first EOS (stop_token='eos', truncate_after=0), or score with reward functions only."
+        )
+    logger.warning(
+        "The tokenizer's pad token is its EOS token (id %d): the reward model reads its score at the last "
+        "token that is not padding, so the EOS that ends a response is never scored, only the tokens before "
+        "it (RewardTrainer reads it there too when its tokenizer pads with EOS). A dedicated pad token "
+        "avoids this.",
+        eos,
+    )
+
+
+def check_onpolicy_models(
+    policy: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    prompts: dict[str, Any],
+    response_length: int,
+    stop_token_ids: list[int],
+    truncate_after: int,
+    ref_model: Any = None,
+    value_model: Any = None,
+    reward_model: Any = None,
+    reward_model_reads_ids: bool = False,
+    value_model_from_reward_model: bool = False,
+) -> None:
+    """What the models and prompts of a PPO/RLOO run must agree on, checked before any work.
+
+    - The value model, and a reward model that scores the policy's token ids, read the policy's ids: their
+      embedding tables must cover the policy's vocabulary (:func:`check_reads_ids`); a value model copied
+      from a reward model that has its own tokenizer would read ids of another vocabulary.
+    - The longest prompt (already truncated to ``max_prompt_length``) plus ``response_length`` must fit
+      the context of every model that sees prompt + response (:func:`check_fits_context`).
+    - The pad token rules of :func:`check_pad_token_use`.
+
+    Args:
+        policy: the policy (a causal LM, or a PeftModel).
+        tokenizer: the policy's tokenizer.
+        prompts: dataset name ("train", "eval") -> the tokenized prompt dataset (an ``input_ids`` column).
+        response_length, stop_token_ids, truncate_after: the generation settings.
+        ref_model, value_model, reward_model: the other models, or None.
+        reward_model_reads_ids: the reward model scores the policy's token ids (same tokenizer).
+        value_model_from_reward_model: the value model is a copy of the reward model
+            (``value_model_init="reward_model"``).
+
+    Raises:
+        ValueError: saying what does not fit and how to fix it.
+    """
+    from .data import first_row_with_token, longest_sequence
+
+    vocab = embedding_rows(policy)
+    if value_model_from_reward_model and reward_model is not None and not reward_model_reads_ids:
+        raise ValueError(
+            "value_model_init='reward_model' copies the reward model, whose tokenizer "
+            "(reward_processing_class) is not the policy's: the value model reads the policy's token ids, "
+            "which its vocabulary does not hold. Use value_model_init='policy', or pass value_model= (a "
+            "one-label sequence-classification model on the policy's tokenizer)."
+        )
+    if value_model is not None:
+        check_reads_ids(
+            value_model,
+            vocab,
+            "value model",
+            "Use a value model on the policy's tokenizer (value_model_init='policy' builds one from the policy).",
+        )
+    if reward_model is not None and reward_model_reads_ids:
+        check_reads_ids(
+            reward_model,
+            vocab,
+            "reward model",
+            "If it has its own tokenizer, pass it as reward_processing_class=: the reward model then scores the "
+            "completions' text, re-tokenized.",
+        )
+    longest = max((longest_sequence(ds, "input_ids") for ds in prompts.values()), default=0)
+    check_fits_context(
+        longest + response_length,
+        {
+            "policy": policy,
+            "reference model": ref_model,
+            "value model": value_model,
+            "reward model": reward_model if reward_model_reads_ids else None,
+        },
+        given=f"the longest prompt ({longest} tokens, after max_prompt_length) + response_length "
+        f"({response_length})",
+        fix="Set max_prompt_length (longer prompts keep their last tokens) or lower response_length so that "
+        "their sum fits.",
+    )
+    pad = tokenizer.pad_token_id
+    check_pad_token_use(
+        tokenizer,
+        reward_model_reads_ids=reward_model is not None and reward_model_reads_ids,
+        stop_token_ids=stop_token_ids,
+        truncate_after=truncate_after,
+        prompts_with_pad={name: first_row_with_token(ds, "input_ids", pad) for name, ds in prompts.items()},
+    )

@@ -475,3 +475,213 @@ def test_policy_loss_per_token_matches_formula(adv, log_ratio, clip_low, clip_hi
     if dual is not None and adv < 0:
         expected = min(expected, -adv * dual)
     assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# empty batches, all-masked rows, low precision, gradients (issue #8 fuzzing)
+# ------------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(st.integers(0, 6), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from(F.LOSS_AGG_MODES))
+def test_an_empty_batch_gives_empty_or_zero_results_of_the_right_dtype(T, dtype, mode):
+    """B = 0 rows (a rank or a micro-batch left without sequences): no function raises or returns NaN."""
+    empty = torch.zeros(0, T, dtype=dtype)
+    mask = torch.zeros(0, T, dtype=torch.bool)
+    for stat in (F.masked_mean(empty, mask), F.masked_var(empty, mask, unbiased=True)):
+        assert stat.item() == 0.0 and stat.dtype == dtype
+    assert F.masked_mean(empty, mask, dim=1).shape == (0,)
+    assert F.whiten(empty, mask).shape == (0, T)
+    assert F.explained_variance(empty, empty, mask).item() == 0.0
+    adv, ret = F.gae_advantages(empty, empty, mask, 0.99, 0.95)
+    assert adv.shape == ret.shape == (0, T) and adv.dtype == torch.float32
+    for estimator in F.KL_ESTIMATORS:
+        assert F.kl_penalty(empty, empty, estimator).shape == (0, T)
+    loss, metrics = F.clipped_policy_loss(empty, empty, empty, mask, dual_clip=2.0, loss_agg_mode=mode)
+    vloss, vmetrics = F.clipped_value_loss(empty, empty, empty, mask, loss_agg_mode=mode)
+    for value in (loss, vloss, *metrics.values(), *vmetrics.values()):
+        assert value.item() == 0.0
+    assert F.rloo_advantages(torch.zeros(0, dtype=dtype), 2).shape == (0,)
+    ids = torch.zeros(0, T, dtype=torch.long)
+    assert F.truncate_response(ids, 3, 0).shape == (0, T)
+    assert F.stop_token_found(ids, 3).shape == (0,)
+    assert F.position_ids_from_mask(ids).shape == (0, T)
+    logits = torch.zeros(0, T, 5, dtype=dtype)
+    lp = F.logprobs_from_logits(logits, ids, 0.7, chunk_size=3, compute_dtype=torch.float32)
+    assert lp.shape == (0, T) and lp.dtype == torch.float32
+    assert F.entropy_from_logits(logits, chunk_size=3).shape == (0, T)
+
+
+@st.composite
+def loss_batch(draw, dtype=torch.float64):
+    """(logprobs, old_logprobs, advantages or returns, mask) with holes and all-masked rows; log-ratios
+    within [-3, 3] so that float32 and float64 agree to a few ulps of the loss."""
+    values, mask = draw(masked_batch(max_rows=5, max_cols=8))
+    n = values.numel()
+    shift = draw(st.lists(st.floats(-3, 3), min_size=n, max_size=n))
+    old = torch.tensor(draw(st.lists(st.floats(-20, 0), min_size=n, max_size=n)), dtype=dtype)
+    old = old.reshape(values.shape)
+    new = old + torch.tensor(shift, dtype=dtype).reshape(values.shape)
+    return new, old, values.to(dtype), mask
+
+
+@FAST
+@given(loss_batch(), st.sampled_from(F.LOSS_AGG_MODES), st.sampled_from(["bool", "long", "float"]), garbage)
+def test_an_all_masked_row_of_garbage_changes_neither_loss(batch, mode, mask_kind, fill):
+    """A sequence without a valid token (filtered, or a rank's padding row) holding inf/NaN: policy and
+    value losses and their metrics are those of the batch without it, for every aggregation mode."""
+    new, old, adv, mask = batch
+    base_p, metrics_p = F.clipped_policy_loss(new, old, adv, mask, 0.2, dual_clip=3.0, loss_agg_mode=mode)
+    base_v, metrics_v = F.clipped_value_loss(adv, old, new, mask, 0.2, loss_agg_mode=mode)
+    T = new.shape[1]
+
+    def extend(x):
+        return torch.cat([x, torch.full((1, T), fill, dtype=x.dtype)])
+
+    m = as_mask_dtype(torch.cat([mask, torch.zeros(1, T, dtype=torch.bool)]), mask_kind)
+    loss_p, more_p = F.clipped_policy_loss(
+        extend(new), extend(old), extend(adv), m, 0.2, dual_clip=3.0, loss_agg_mode=mode
+    )
+    loss_v, more_v = F.clipped_value_loss(extend(adv), extend(old), extend(new), m, 0.2, loss_agg_mode=mode)
+    assert loss_p.item() == pytest.approx(base_p.item(), abs=1e-9, rel=1e-9)
+    assert loss_v.item() == pytest.approx(base_v.item(), abs=1e-9, rel=1e-9)
+    for name in metrics_p:
+        assert more_p[name].item() == pytest.approx(metrics_p[name].item(), abs=1e-6, rel=1e-5), name
+    for name in metrics_v:
+        assert more_v[name].item() == pytest.approx(metrics_v[name].item(), abs=1e-6, rel=1e-5), name
+
+
+@FAST
+@given(loss_batch(), st.one_of(st.none(), st.floats(0.05, 1.0)), st.sampled_from(F.LOSS_AGG_MODES))
+def test_value_loss_matches_the_per_token_formula_and_clipping_never_lowers_it(batch, clip, mode):
+    """0.5 * max((V - R)^2, (V_clip - R)^2) per valid token, aggregated; the clipped loss is >= the
+    unclipped one, and equal when V stays within clip of the old values."""
+    values, old, returns, mask = batch
+    loss, metrics = F.clipped_value_loss(values, old, returns, mask, clip, loss_agg_mode=mode)
+    unclipped, _ = F.clipped_value_loss(values, old, returns, mask, None, loss_agg_mode=mode)
+    err = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old + (values - old).clamp(-clip, clip)
+        err = torch.maximum(err, (v_clip - returns) ** 2)
+    per_token = torch.where(mask, 0.5 * err, torch.zeros_like(err))
+    rows = [per_token[i][mask[i]] for i in range(mask.shape[0]) if mask[i].any()]
+    if not rows:
+        expected = 0.0
+    elif mode == "token-mean":
+        expected = torch.cat(rows).mean().item()
+    elif mode == "seq-mean-token-mean":
+        expected = sum(r.mean().item() for r in rows) / len(rows)
+    else:
+        expected = sum(r.sum().item() for r in rows) / len(rows)
+    assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert loss.item() >= unclipped.item() - 1e-9
+    assert 0.0 <= metrics["vf_clipfrac"].item() <= 1.0
+    same, _ = F.clipped_value_loss(old, old, returns, mask, clip, loss_agg_mode=mode)
+    plain, _ = F.clipped_value_loss(old, old, returns, mask, None, loss_agg_mode=mode)
+    assert same.item() == pytest.approx(plain.item(), rel=1e-12, abs=1e-12)
+
+
+@FAST
+@given(
+    loss_batch(), st.sampled_from([torch.float32, torch.bfloat16]), garbage, st.sampled_from(F.LOSS_AGG_MODES)
+)
+def test_gradients_are_finite_and_zero_on_masked_tokens_in_any_dtype(batch, dtype, fill, mode):
+    """No NaN reaches the weights: with inf/NaN at masked positions of every input, the gradients of
+    both losses are finite everywhere and exactly 0 on masked tokens (fp32 and bf16)."""
+    new, old, adv, mask = batch
+    logp = with_garbage(new, mask, fill).to(dtype).requires_grad_()
+    values = with_garbage(adv, mask, -fill).to(dtype).requires_grad_()
+    old_d, adv_d = with_garbage(old, mask, fill).to(dtype), with_garbage(adv, mask, fill).to(dtype)
+    loss, _ = F.clipped_policy_loss(logp, old_d, adv_d, mask, 0.2, 0.3, 3.0, loss_agg_mode=mode)
+    vloss, _ = F.clipped_value_loss(values, old_d, adv_d, mask, 0.2, loss_agg_mode=mode)
+    (loss + vloss).backward()
+    assert torch.isfinite(loss) and torch.isfinite(vloss)
+    for grad in (logp.grad, values.grad):
+        assert grad.dtype == dtype
+        assert torch.isfinite(grad).all()
+        assert (grad[~mask] == 0).all()
+
+
+@FAST
+@given(loss_batch(), st.floats(0.05, 0.5), st.one_of(st.none(), st.floats(1.5, 5.0)))
+def test_bf16_losses_equal_float64_losses_of_the_rounded_inputs(batch, clip, dual):
+    """bf16 inputs are upcast, not computed in bf16: the loss equals the float64 loss of the same
+    bf16-rounded numbers up to float32 rounding (a bf16 computation would be off by ~1e-2)."""
+    new, old, adv, mask = batch
+    b = [x.to(torch.bfloat16) for x in (new, old, adv)]
+    loss, metrics = F.clipped_policy_loss(*b, mask, clip, dual_clip=dual)
+    ref, ref_metrics = F.clipped_policy_loss(*[x.double() for x in b], mask, clip, dual_clip=dual)
+    assert loss.dtype == torch.float32
+    scale = max(1.0, abs(ref.item()))
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5 * scale)
+    assert metrics["clipfrac"].item() == pytest.approx(ref_metrics["clipfrac"].item(), abs=1e-6)
+    vloss, _ = F.clipped_value_loss(b[2], b[1], b[0], mask, clip)
+    vref, _ = F.clipped_value_loss(b[2].double(), b[1].double(), b[0].double(), mask, clip)
+    assert vloss.item() == pytest.approx(vref.item(), rel=1e-5, abs=1e-5)
+
+
+@FAST
+@given(
+    st.integers(1, 3),
+    st.integers(0, 5),
+    st.integers(1, 12),
+    st.floats(0.3, 3.0),
+    st.one_of(st.none(), st.integers(1, 8)),
+    st.integers(0, 2**31 - 1),
+    st.floats(0.0, 0.8),
+)
+def test_bf16_logprobs_and_entropy_in_fp32_match_float64_with_filtered_vocab(
+    B, T, V, temperature, chunk, seed, drop
+):
+    """bf16 logits with compute_dtype=float32 give the float64 log-probs of the same rounded logits;
+    -inf entries (top-k/top-p filtered vocabulary) leave both finite, the entropy within [0, log V]."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=gen) * 4).to(torch.bfloat16)
+    filtered = torch.rand(B, T, V, generator=gen) < drop
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    filtered.scatter_(-1, tokens.unsqueeze(-1), False)  # the sampled token itself was never filtered
+    logits = logits.masked_fill(filtered, -math.inf)
+    lp = F.logprobs_from_logits(logits, tokens, temperature, chunk_size=chunk, compute_dtype=torch.float32)
+    ref = torch.log_softmax(logits.double() / temperature, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert lp.dtype == torch.float32 and lp.shape == (B, T)
+    torch.testing.assert_close(lp.double(), ref, atol=1e-5, rtol=1e-5)
+    ent = F.entropy_from_logits(
+        logits, chunk_size=chunk, compute_dtype=torch.float32, temperature=temperature
+    )
+    assert torch.isfinite(ent).all()
+    assert (ent >= -1e-5).all() and (ent <= math.log(V) + 1e-4).all()
+
+
+@FAST
+@given(rloo_batch(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rloo_advantages_keep_the_dtype_and_sum_to_zero_in_low_precision(batch, dtype):
+    """Computed in float32 from the (rounded) inputs and cast back: per prompt they sum to 0 up to the
+    output's rounding."""
+    rewards, k, prompts = batch
+    low = rewards.to(dtype)
+    adv = F.rloo_advantages(low, k)
+    assert adv.dtype == dtype and adv.shape == rewards.shape
+    ref = F.rloo_advantages(low.double(), k)
+    eps = torch.finfo(dtype).eps
+    scale = ref.abs().max().item() + 1.0
+    torch.testing.assert_close(adv.double(), ref, atol=eps * scale, rtol=eps)
+    sums = adv.double().reshape(k, prompts, *rewards.shape[1:]).sum(0)
+    assert sums.abs().max().item() <= k * eps * scale
+
+
+@FAST
+@given(masked_batch(), st.data(), garbage)
+def test_explained_variance_of_the_valid_tokens(batch, data, fill):
+    """1 - Var(R - V) / Var(R) over the valid tokens only; 0 (not NaN) for constant or no returns."""
+    returns, mask = batch
+    n = returns.numel()
+    values = torch.tensor(data.draw(st.lists(finite, min_size=n, max_size=n)), dtype=torch.float64)
+    values = values.reshape(returns.shape)
+    ev = F.explained_variance(with_garbage(values, mask, fill), with_garbage(returns, mask, -fill), mask)
+    r, v = returns[mask], values[mask]
+    assert torch.isfinite(ev)
+    if r.numel() == 0 or bool((r == r[0]).all()):
+        assert ev.item() == 0.0
+    else:
+        expected = 1 - (r - v).var(unbiased=False).item() / r.var(unbiased=False).item()
+        assert ev.item() == pytest.approx(expected, rel=1e-6, abs=1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..onpolicy.config import OnPolicyConfig
 
@@ -74,4 +75,18 @@ class PPOConfig(OnPolicyConfig):
         if self.value_model_init not in VALUE_MODEL_INITS:
             raise ValueError(
                 f"value_model_init={self.value_model_init!r}: expected one of {VALUE_MODEL_INITS}."
+            )
+
+    def check_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        """:meth:`OnPolicyConfig.check_deepspeed_config`, plus: an ``"optimizer"`` section (DeepSpeed's
+        own optimizer, one learning rate for every parameter) would silently ignore
+        ``critic_learning_rate``."""
+        super().check_deepspeed_config(ds_config)
+        if "optimizer" in ds_config and self.critic_learning_rate is not None:
+            raise ValueError(
+                f"critic_learning_rate={self.critic_learning_rate}, but the DeepSpeed config has an 'optimizer' "
+                f"section ({ds_config['optimizer']!r}): DeepSpeed then builds that optimizer itself with one "
+                "learning rate for every parameter, and the value model's would silently be learning_rate. "
+                "Remove the 'optimizer' section (DeepSpeed then wraps the trainer's optimizer, which has the "
+                "critic's parameter group), or set critic_learning_rate=None."
             )
