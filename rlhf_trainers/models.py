@@ -341,7 +341,7 @@ def align_pad_token(model: Any, tokenizer: PreTrainedTokenizerBase, what: str = 
             f"The tokenizer of the {what} has no pad token. Add a dedicated one (the seed pads with a token "
             "distinct from EOS): tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) followed by "
             "model.resize_token_embeddings(len(tokenizer)). Setting tokenizer.pad_token = tokenizer.eos_token "
-            "also works for reward modeling, but then EOS tokens inside a sequence end it early."
+            "also works for reward modeling, but then the score is read at the last token before the final EOS."
         )
     rows = embedding_rows(model)
     if not 0 <= tokenizer.pad_token_id < rows:
