@@ -555,10 +555,14 @@ def check_launch(results: Sequence[Mapping[str, Any]], deepspeed: str | None, up
 
 def check_first_update_like_ddp(rank0: Mapping[str, Any], ddp: Mapping[str, Any], loss: str) -> None:
     """DeepSpeed's first update is DDP's: the same samples (same weights and seeds, so exactly the same
-    scores), the same `loss` (a logged list) and gradient norm up to the order of the reductions."""
+    scores), the same `loss` (a logged list) and gradient norm up to the order of the reductions; and
+    the same learning rate at every update."""
     assert rank0["scores"][0] == ddp["scores"][0]
     assert rank0[loss][0] == pytest.approx(ddp[loss][0], rel=1e-4)
     assert rank0["grad_norm"][0] == pytest.approx(ddp["grad_norm"][0], rel=1e-4)
+    # The learning-rate schedule advances once per update under DeepSpeed too (not once per optimizer
+    # step, as it would if the engine stepped it).
+    assert rank0["lr"] == pytest.approx(ddp["lr"], rel=1e-6), (rank0["lr"], ddp["lr"])
 
 
 def check_saved_policy(folder: Path, rank0: Mapping[str, Any]) -> None:

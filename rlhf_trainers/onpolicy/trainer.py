@@ -1151,8 +1151,8 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         policy_losses: list[float] = []
         while self.state.global_step < self.num_updates and not self.control.should_training_stop:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            lr = self._get_learning_rate()  # the rate this update trains with
             metrics = self._update(model, self.state.global_step)
-            lr = self._get_learning_rate()
             self.lr_scheduler.step()
             self.state.global_step += 1
             self.state.epoch = self.state.global_step / self.updates_per_data_epoch

@@ -83,6 +83,7 @@ def main() -> None:
         models={"policy": "policy", "value": "value_model"},
         logs={
             "scores": "objective/scores",
+            "lr": "lr",
             "true_reward": "objective/scores/true_reward",
             "kl": "objective/kl",
             "ratio_at_start": "policy/ratio_at_start",

@@ -93,6 +93,7 @@ def main() -> None:
         models={"policy": "policy"},
         logs={
             "scores": "objective/scores",
+            "lr": "lr",
             "rlhf_reward": "objective/rlhf_reward",
             "reward_std_per_prompt": "objective/reward_std_per_prompt",
             "num_completions_kept": "rollout/num_completions_kept",
