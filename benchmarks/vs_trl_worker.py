@@ -1,0 +1,589 @@
+"""One benchmark run of one trainer (ours or TRL's, PPO or RLOO), in its own process, for ``vs_trl.py``
+and ``learning_vs_trl.py``.
+
+Run by the interpreter of the right virtual environment: the project's ``.venv`` for ours,
+``benchmarks/.venvs/trl-1.12`` for TRL's PPO (``trl.experimental.ppo.PPOTrainer``), and
+``benchmarks/.venvs/trl-latest`` for TRL's RLOO (``trl.RLOOTrainer``). It imports nothing from this project
+on TRL's side: models, tokenizers and prompts come from local folders and a JSON file that the driver
+wrote; the hidden true reward (learning runs only) is read from ``rlhf_trainers/testing.py`` as a
+standalone module, loaded by file path.
+
+    python benchmarks/vs_trl_worker.py SPEC.json OUT.json
+
+``SPEC.json`` holds ``impl`` ("ours" / "trl"), ``algo`` ("ppo" / "rloo"), ``policy`` and ``reward`` (model
+folders with their tokenizer), ``prompts`` (a JSON file with "train" and "test" lists of strings) and
+``settings`` (see :func:`build_trainer`). ``OUT.json`` receives the figures:
+
+- ``update_seconds``: wall time of each update, from the end of one update (``on_step_end``) to the end of
+  the next (the first from ``on_train_begin``), minus the time of the learning evaluation in between;
+- ``phases``: per update, seconds in generate / policy (a separate no-grad log-prob forward) / ref /
+  values / reward, and ``update`` = the rest of the update (training forward + backward + optimizer
+  steps, advantages, logging, bookkeeping). Ours reports ``timing/*`` itself; for TRL the worker wraps
+  the functions TRL calls (see :class:`PhaseTimers`) without touching TRL's installed files;
+- ``tokens``: per update, real prompt tokens + response tokens;
+- memory: RSS after imports, after loading the models, before ``train()``, the high-water during
+  ``train()`` (reset through ``/proc/self/clear_refs``), and the process's ``ru_maxrss``; the bytes of
+  each model's parameters, of the gradients and of the optimizer states;
+- learning runs (``settings.eval_every`` > 0): the mean true reward of sampled completions on held-out
+  prompts before training and every ``eval_every`` updates.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# onpolicy_memory.py imports only the standard library at module level: usable from TRL's venvs too.
+from onpolicy_memory import _reset_rss_high_water as reset_rss_high_water
+
+MIB = 2**20
+ROLLOUT_PHASES = ("generate", "policy", "ref", "values", "reward")
+
+
+# ---- memory probes (Linux) ----------------------------------------------------------------------------
+
+
+def rss_mib() -> float:
+    """Current resident set size."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+    except OSError:
+        return float("nan")
+
+
+def maxrss_mib() -> float:
+    """High-water RSS (``ru_maxrss``, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def tensor_mib(tensors: Any) -> float:
+    import torch
+
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)) / MIB
+
+
+def params_mib(model: Any) -> float:
+    """Bytes of a model's parameters (0 for None or a reward function)."""
+    return tensor_mib(model.parameters()) if hasattr(model, "parameters") else 0.0
+
+
+def param_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
+
+
+# ---- phase timers -------------------------------------------------------------------------------------
+
+
+class PhaseTimers:
+    """Accumulates wall time per phase for the update in progress.
+
+    :meth:`wrap` replaces ``owner.name`` (a module function, or a method on one instance) by a wrapper that
+    times each call and books it to the phase ``classify(*args, **kwargs)`` returns (None: not timed).
+    Nested timed calls are booked only once, to the outermost phase."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.extra: dict[str, float] = defaultdict(float)
+        self._depth = 0
+
+    def wrap(self, owner: Any, name: str, classify: Callable[..., str | None]) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            phase = classify(*args, **kwargs) if self._depth == 0 else None
+            if phase is None:
+                return original(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.current[phase] += time.perf_counter() - t0
+                self.counts[phase] += 1
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.current)
+        self.current = defaultdict(float)
+        return out
+
+
+# ---- the hidden true reward, without importing this project -------------------------------------------
+
+
+def load_true_reward(testing_py: str) -> Callable[..., list[float]]:
+    spec = importlib.util.spec_from_file_location("_kit_testing_standalone", testing_py)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and typing look the module up by name
+    spec.loader.exec_module(module)
+    return module.true_reward
+
+
+def evaluate_true_reward(
+    policy: Any, tokenizer: Any, prompts: list[str], settings: dict[str, Any], true_reward: Callable
+) -> float:
+    """Mean true reward of ``eval_samples`` sampled completions per held-out prompt (temperature
+    ``temperature``, top-k 0, top-p 1, stop at EOS, ``response_length`` new tokens at most). The torch RNG
+    is seeded for the evaluation and restored afterwards, so the training run's random stream is not
+    touched."""
+    import torch
+
+    rng = torch.get_rng_state()
+    was_training = policy.training
+    policy.eval()
+    torch.manual_seed(settings.get("eval_seed", 1234))
+    rewards: list[float] = []
+    try:
+        with torch.no_grad():
+            for _ in range(settings.get("eval_samples", 2)):
+                for start in range(0, len(prompts), 64):
+                    chunk = prompts[start : start + 64]
+                    batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
+                    out = policy.generate(
+                        **batch,
+                        max_new_tokens=settings["response_length"],
+                        do_sample=True,
+                        temperature=settings["temperature"],
+                        top_k=0,
+                        top_p=1.0,
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
+                    texts = tokenizer.batch_decode(
+                        out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+                    )
+                    rewards += true_reward(chunk, texts)
+    finally:
+        policy.train(was_training)
+        torch.set_rng_state(rng)
+    return sum(rewards) / len(rewards)
+
+
+# ---- trainers -----------------------------------------------------------------------------------------
+
+
+def build_trainer(
+    spec: dict[str, Any],
+    tokenizer: Any,
+    policy: Any,
+    reward: Any,
+    value: Any,
+    train_prompts: list[str],
+    callback: Any,
+    timers: PhaseTimers,
+    out_dir: str,
+) -> tuple[Any, int, Callable[[], dict[str, float]] | None]:
+    """The trainer for ``spec``, the number of ``on_step_end`` calls per update, and (for TRL) a function
+    that returns the token count of the update just finished.
+
+    ``settings``: ``batch`` (completions per update), ``mini_batches``, ``epochs``, ``response_length``,
+    ``fixed_length`` (responses ignore EOS), ``rloo_k``, ``learning_rate``, ``kl_coef``, ``temperature``,
+    ``updates``, ``seed``. Every trainer gets: fp32 (``bf16=False``), no gradient checkpointing, CPU, no
+    checkpoints, no evaluation, no sample generations, logging every update, one rollout forward batch
+    of ``batch`` rows, one micro-batch per mini-batch (``batch / mini_batches`` completions)."""
+    from datasets import Dataset
+
+    s = spec["settings"]
+    B, M, E, L = s["batch"], s["mini_batches"], s["epochs"], s["response_length"]
+    common = dict(
+        output_dir=out_dir,
+        learning_rate=s["learning_rate"],
+        gradient_accumulation_steps=1,
+        temperature=s["temperature"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        seed=s["seed"],
+    )
+    impl, algo = spec["impl"], spec["algo"]
+    if impl == "ours":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+
+        ours = dict(
+            common,
+            per_device_train_batch_size=B // M,
+            num_mini_batches=M,
+            num_ppo_epochs=E,
+            response_length=L,
+            stop_token=None if s["fixed_length"] else "eos",
+            kl_coef=s["kl_coef"],
+            max_steps=s["updates"],
+            local_rollout_forward_batch_size=B,
+            eval_strategy="no",
+            num_sample_generations=0,
+        )
+        dataset = Dataset.from_dict({"prompt": train_prompts})
+        if algo == "ppo":
+            trainer = PPOTrainer(
+                model=policy,
+                reward_model=reward,
+                value_model=value,
+                processing_class=tokenizer,
+                args=PPOConfig(**ours),
+                train_dataset=dataset,
+                callbacks=[callback],
+            )
+        else:
+            trainer = RLOOTrainer(
+                model=policy,
+                # the reward model, or (reward_source "true") the hidden true reward as a reward function
+                **(
+                    {"reward_funcs": reward}
+                    if callable(reward) and not hasattr(reward, "config")
+                    else {"reward_model": reward}
+                ),
+                processing_class=tokenizer,
+                args=RLOOConfig(rloo_k=s["rloo_k"], **ours),
+                train_dataset=dataset,
+                callbacks=[callback],
+            )
+        return trainer, 1, None
+
+    if algo == "ppo":  # trl==1.12.0
+        import trl.experimental.ppo.ppo_trainer as ppo_mod
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        config = PPOConfig(
+            **common,
+            # TRL 1.12: batch = per_device x grad_accum; each of num_mini_batches mini-batches is one
+            # micro-batch of batch / num_mini_batches (its micro-batch loop steps by per_device).
+            per_device_train_batch_size=B,
+            num_mini_batches=M,
+            num_ppo_epochs=E,
+            response_length=L,
+            stop_token=None if s["fixed_length"] else "eos",
+            kl_coef=s["kl_coef"],
+            total_episodes=s["updates"] * B,
+            local_rollout_forward_batch_size=B,
+            num_sample_generations=0,
+            gradient_checkpointing=False,
+        )
+        dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in train_prompts]})
+        trainer = PPOTrainer(
+            args=config,
+            processing_class=tokenizer,
+            model=policy,
+            ref_model=None,
+            reward_model=reward,
+            train_dataset=dataset,
+            value_model=value,
+            callbacks=[callback],
+        )
+        pad = tokenizer.pad_token_id
+        eos = tokenizer.eos_token_id
+        tokens: list[float] = []
+
+        def generation(model: Any, queries: Any, *args: Any, **kwargs: Any) -> str:
+            return "generate"
+
+        original_generation = ppo_mod.batch_generation
+
+        def counted_generation(model: Any, queries: Any, *args: Any, **kwargs: Any) -> Any:
+            query_responses, logits = original_generation(model, queries, *args, **kwargs)
+            response = query_responses[:, queries.shape[1] :]
+            if s["fixed_length"]:
+                n_response = response.numel()
+            else:  # up to and including the first EOS, as TRL's truncate_response keeps it
+                hit = (response == eos).int()
+                first = hit.argmax(1)
+                n_response = int(
+                    sum(f + 1 if h else response.shape[1] for f, h in zip(first, hit.any(1), strict=True))
+                )
+            tokens.append(float((queries != pad).sum()) + n_response)
+            return query_responses, logits
+
+        ppo_mod.batch_generation = counted_generation
+        timers.wrap(ppo_mod, "batch_generation", generation)
+        timers.wrap(
+            ppo_mod,
+            "forward",
+            lambda model, *a, **k: "ref" if model is trainer.ref_model else "train_forward",
+        )
+        timers.wrap(
+            ppo_mod,
+            "get_reward",
+            lambda model, *a, **k: "reward" if model is trainer.reward_model else "values",
+        )
+        timers.wrap(trainer.accelerator, "backward", lambda *a, **k: "backward")
+        timers.wrap(trainer.optimizer, "step", lambda *a, **k: "optimizer_step")
+        return trainer, 1, lambda: tokens.pop() if tokens else float("nan")
+
+    # newest trl: RLOOTrainer
+    from trl import RLOOConfig, RLOOTrainer
+
+    config = RLOOConfig(
+        **common,
+        # TRL RLOO: a generation batch of per_device x steps_per_generation completions feeds
+        # steps_per_generation optimizer steps (= our mini-batches), repeated num_iterations (= our epochs)
+        # times; num_generations = rloo_k.
+        per_device_train_batch_size=B // M,
+        steps_per_generation=M,
+        num_iterations=E,
+        num_generations=s["rloo_k"],
+        max_completion_length=L,
+        beta=s["kl_coef"],
+        top_k=0,
+        top_p=1.0,
+        max_steps=s["updates"] * M * E,
+        gradient_checkpointing=False,
+        # TRL RLOO always cuts completions at EOS: fixed-length responses forbid EOS instead.
+        generation_kwargs={"min_new_tokens": L} if s["fixed_length"] else None,
+    )
+    trainer = RLOOTrainer(
+        model=policy,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": train_prompts}),
+        processing_class=tokenizer,
+        reward_processing_classes=tokenizer if hasattr(reward, "config") else None,
+        callbacks=[callback],
+    )
+    import torch
+
+    tokens_rloo: list[float] = []
+    original_generate = trainer._generate
+
+    def counted_generate(prompts: Any) -> Any:
+        prompt_ids, completion_ids, completions = original_generate(prompts)
+        tokens_rloo.append(float(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
+        return prompt_ids, completion_ids, completions
+
+    trainer._generate = counted_generate
+    timers.wrap(trainer, "_generate", lambda *a, **k: "generate")
+
+    def logps_phase(model: Any, *a: Any, **k: Any) -> str:
+        if torch.is_grad_enabled():
+            return "train_forward"
+        return "ref" if model is trainer.ref_model else "policy"
+
+    timers.wrap(trainer, "_get_per_token_logps_and_entropies", logps_phase)
+    timers.wrap(trainer, "_calculate_rewards", lambda *a, **k: "reward")
+    timers.wrap(trainer.accelerator, "backward", lambda *a, **k: "backward")
+
+    def on_optimizer(optimizer: Any) -> None:
+        timers.wrap(optimizer, "step", lambda *a, **k: "optimizer_step")
+
+    trainer._benchmark_wrap_optimizer = on_optimizer  # called from the callback's on_train_begin
+    return trainer, M * E, lambda: tokens_rloo.pop() if tokens_rloo else float("nan")
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()
+    import torch
+    import transformers
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
+
+    impl, algo, s = spec["impl"], spec["algo"], spec["settings"]
+    # The trainer modules themselves (trl imports lazily), so that "after imports" means the same on
+    # both sides: torch, transformers' Trainer and the trainer's own code.
+    if impl == "trl" and algo == "ppo":
+        import trl.experimental.ppo.ppo_trainer
+    elif impl == "trl":
+        import trl.trainer.rloo_trainer  # noqa: F401
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import rlhf_trainers.ppo
+        import rlhf_trainers.rloo  # noqa: F401
+    rss_imports = rss_mib()
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    reward_source = s.get("reward_source", "model")
+    if reward_source == "true" and algo != "rloo":
+        raise SystemExit(
+            "reward_source 'true' (a reward function) is for RLOO only: TRL 1.12's PPO needs a model"
+        )
+    need_true = s.get("eval_every") or reward_source == "true"
+    true_reward = load_true_reward(spec["testing_py"]) if need_true else None
+
+    if s.get("threads"):
+        torch.set_num_threads(s["threads"])
+    torch.manual_seed(s["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["policy"])
+    policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
+    reward = (
+        true_reward
+        if reward_source == "true"
+        else AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32)
+    )
+    value = (
+        AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32)
+        if algo == "ppo"
+        else None
+    )
+    rss_loaded = rss_mib()
+    digest_before = torch.cat([p.detach().reshape(-1)[:1000] for p in policy.parameters()]).clone()
+
+    timers = PhaseTimers()
+    marks: dict[str, Any] = {"t": None, "eval_s": 0.0}
+    update_seconds: list[float] = []
+    phases: list[dict[str, float]] = []
+    tokens: list[float] = []
+    evals: list[dict[str, float]] = []
+    state_holder: dict[str, Any] = {}
+
+    def maybe_eval(update: int) -> None:
+        every = s.get("eval_every") or 0
+        if not every or (update % every and update != s["updates"]):
+            return
+        t0 = time.perf_counter()
+        value_ = evaluate_true_reward(policy, tokenizer, prompts["test"], s, true_reward)
+        evals.append({"update": update, "episodes": update * s["batch"], "true_reward": value_})
+        marks["eval_s"] += time.perf_counter() - t0
+
+    class Probe(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            wrap = getattr(state_holder.get("trainer"), "_benchmark_wrap_optimizer", None)
+            if wrap is not None:
+                wrap(state_holder["trainer"].optimizer)
+            maybe_eval(0)
+            marks["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps += 1
+            if self.steps % state_holder["steps_per_update"]:
+                return
+            now = time.perf_counter()
+            update_seconds.append(now - marks["t"])
+            phases.append(timers.take())
+            if state_holder["tokens"] is not None:
+                tokens.append(state_holder["tokens"]())
+            maybe_eval(len(update_seconds))
+            marks["t"] = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, steps_per_update, token_fn = build_trainer(
+            spec, tokenizer, policy, reward, value, prompts["train"], Probe(), timers, tmp
+        )
+        state_holder.update(trainer=trainer, steps_per_update=steps_per_update, tokens=token_fn)
+        del reward, value
+        models = {
+            "policy": policy,
+            "ref_model": getattr(trainer, "ref_model", None),
+            "value_model": getattr(trainer, "value_model", None),
+            "reward_model": getattr(trainer, "reward_model", None)
+            or (trainer.reward_funcs[0] if hasattr(trainer, "reward_funcs") else None),
+        }
+        rss_before = rss_mib()
+        peak_before = maxrss_mib()
+        reset = reset_rss_high_water()
+        train_start = time.perf_counter()
+        trainer.train()
+        train_wall = time.perf_counter() - train_start
+        train_peak = maxrss_mib()
+        optimizer_mib = tensor_mib(t for st in trainer.optimizer.state.values() for t in st.values())
+        trained = [p for p in trainer.model.parameters() if p.requires_grad]
+        log_history = list(trainer.state.log_history)
+
+    # ours reports its phases and tokens itself
+    if impl == "ours":
+        logs = [h for h in log_history if "timing/step" in h]
+        phases = []
+        tokens = []
+        for h in logs:
+            own = {k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("timing/")}
+            own["optimize"] = own.pop("update", 0.0)  # our training epochs; "update" is redefined below
+            phases.append(own)
+            tokens.append(h["perf/tokens_per_sec"] * h["timing/step"])
+    for p, total in zip(phases, update_seconds, strict=False):
+        p["update"] = total - sum(p.get(k, 0.0) for k in ROLLOUT_PHASES)
+        p["total"] = total
+
+    response_lengths = [
+        h[k] for h in log_history for k in ("val/response_length", "completions/mean_length") if k in h
+    ]
+    digest_after = torch.cat([p.detach().reshape(-1)[:1000] for p in policy.parameters()])
+    steady = update_seconds[1:] or update_seconds
+    median = statistics.median(steady) if steady else float("nan")
+    tokens_median = statistics.median(tokens[1:] or tokens) if tokens else float("nan")
+    result = {
+        "impl": impl,
+        "algo": algo,
+        "label": f"{'ours' if impl == 'ours' else 'TRL'} {algo.upper()}",
+        "python": sys.version.split()[0],
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            **({"trl": __import__("trl").__version__} if impl == "trl" else {}),
+        },
+        "torch_threads": torch.get_num_threads(),
+        "settings": s,
+        "steps_per_update": steps_per_update,
+        "updates_measured": len(update_seconds),
+        "update_seconds": update_seconds,
+        "seconds_per_update_median": median,
+        "episodes_per_sec": s["batch"] / median,
+        "tokens_per_update": tokens,
+        "tokens_per_update_median": tokens_median,
+        "tokens_per_sec": tokens_median / median,
+        "phases": phases,
+        "phases_median": {
+            k: statistics.median(p.get(k, 0.0) for p in (phases[1:] or phases))
+            for k in sorted({k for p in phases for k in p})
+        },
+        "mean_response_length": statistics.mean(response_lengths) if response_lengths else None,
+        "rss_after_imports_mib": rss_imports,
+        "rss_after_loading_mib": rss_loaded,
+        "rss_before_train_mib": rss_before,
+        "peak_rss_before_train_mib": peak_before,
+        "train_peak_rss_mib": train_peak if reset else None,
+        "peak_rss_mib": maxrss_mib(),
+        "rss_high_water_reset": reset,
+        "parameters": {k: param_count(m) for k, m in models.items()},
+        "parameters_mib": {k: params_mib(m) for k, m in models.items()},
+        "trained_parameters": sum(p.numel() for p in trained),
+        "gradients_mib": tensor_mib(trained) if trained else 0.0,
+        "optimizer_state_mib": optimizer_mib,
+        "train_wall_s": train_wall,
+        "eval_wall_s": marks["eval_s"],
+        "worker_wall_s": time.perf_counter() - t_start,
+        "policy_changed": bool((digest_after != digest_before).any()),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "evals": evals,
+    }
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: vs_trl_worker.py SPEC.json OUT.json")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = run(spec)
+    Path(sys.argv[2]).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
