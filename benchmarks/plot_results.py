@@ -199,24 +199,29 @@ def table_learning_vs_trl() -> str:
     return text
 
 
-def table_long_run_memory() -> str:
-    rows = [
-        "| trainer | updates | checkpoint every | peak RSS, first half MiB | peak RSS, second half MiB | ratio | "
-        "s/update (median) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+def _long_runs() -> list[tuple[str, dict[str, Any]]]:
+    """(file name, result) of every long_run_memory_*.json (one per trainer and tag)."""
+    return [
+        (f.name, json.loads(f.read_text(encoding="utf-8")))
+        for f in sorted(RESULTS.glob("long_run_memory_*.json"))
     ]
-    found = False
-    for trainer in ("ppo", "rloo"):
-        d = _load(f"long_run_memory_{trainer}.json")
-        if d is None:
-            continue
-        found = True
-        rows.append(
-            f"| {trainer.upper()} | {d['updates']} | {d['save_steps']} | {d['first_half_peak_mib']:.1f} | "
-            f"{d['second_half_peak_mib']:.1f} | {d['ratio']:.4f} | {d['median_seconds_per_update']:.3f} |"
-        )
-    if not found:
+
+
+def table_long_run_memory() -> str:
+    runs = _long_runs()
+    if not runs:
         return _missing("long_run_memory_*.json")
+    rows = [
+        "| result file | trainer | CPUs | updates | checkpoint every | peak RSS, first half MiB | "
+        "peak RSS, second half MiB | ratio | s/update (median) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, d in runs:
+        rows.append(
+            f"| `{name}` | {d['trainer'].upper()} | {d.get('machine', {}).get('cpus', 'n/a')} | {d['updates']} | "
+            f"{d['save_steps']} | {d['first_half_peak_mib']:.1f} | {d['second_half_peak_mib']:.1f} | "
+            f"{d['ratio']:.4f} | {d['median_seconds_per_update']:.3f} |"
+        )
     return "\n".join(rows) + "\n\n![Resident memory over a long run](img/long_run_memory.png)"
 
 
@@ -319,12 +324,12 @@ def plot_rloo_bf16_ratio(plt: Any, path: Path) -> bool:
 
 
 def plot_long_run_memory(plt: Any, path: Path) -> bool:
-    data = [d for d in (_load(f"long_run_memory_{t}.json") for t in ("ppo", "rloo")) if d is not None]
-    if not data:
+    runs = _long_runs()
+    if not runs:
         return False
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    for d in data:
-        ax.plot(range(1, len(d["rss_mib"]) + 1), d["rss_mib"], label=d["trainer"].upper())
+    for name, d in runs:
+        ax.plot(range(1, len(d["rss_mib"]) + 1), d["rss_mib"], label=f"{d['trainer'].upper()} ({name})")
     ax.set_xlabel("update")
     ax.set_ylabel("RSS MiB")
     ax.set_title("Resident memory over a long run (offline kit)", fontsize=10)

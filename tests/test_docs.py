@@ -15,6 +15,9 @@ rendered page does not show):
   leaves that block out, e.g. ``(needs the Hugging Face Hub)`` or ``(needs a GPU)``. The reason is
   required. Each page's test prints how many blocks it skipped, and ``test_every_page_parses`` prints
   every skipped block with its reason.
+- ``<!-- docs-test: needs MODULE[, MODULE] -->`` before a block runs it where those modules can be
+  imported and skips it (counted and listed like a skip) where they cannot: for optional extras such as
+  ``matplotlib`` (the ``demo`` extra), as the DeepSpeed tests do for the ``deepspeed`` extra.
 - ``<!-- docs-test: signature MODULE -->`` before a block of call signatures (``name(params) -> ...`` at
   the start of a line, and indented ``.method(params)`` lines for the class above them) does not run
   the block but compares each signature with ``inspect.signature`` of ``MODULE.name``: parameter names,
@@ -59,6 +62,7 @@ _DIRECTIVE = re.compile(r"<!--\s*docs-test:(.*?)-->")
 _FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _SKIP = re.compile(r"^skip\s*\((?P<reason>.*\S.*)\)$")
 _SIGNATURE = re.compile(r"^signature\s+(?P<module>[A-Za-z_][\w.]*)$")
+_NEEDS = re.compile(r"^needs\s+(?P<modules>[A-Za-z_][\w.]*(\s*,\s*[A-Za-z_][\w.]*)*)$")
 _REQUIRES = re.compile(r"^requires\s+(?P<page>\S+\.md)(\s*\(.*\))?$")
 
 
@@ -140,10 +144,12 @@ def parse_page(path: Path, text: str | None = None) -> Page:
                 pending = (i + 1, "skip", m["reason"].strip())
             elif m := _SIGNATURE.match(directive):
                 pending = (i + 1, "signature", m["module"])
+            elif m := _NEEDS.match(directive):
+                pending = (i + 1, "needs", ",".join(x.strip() for x in m["modules"].split(",")))
             else:
                 raise DocsTestError(
                     f"{where}: unknown directive 'docs-test: {directive}'. Expected 'skip (REASON)' (with a "
-                    "reason), 'signature MODULE', 'slow' or 'requires PAGE.md'."
+                    "reason), 'needs MODULE[, MODULE]', 'signature MODULE', 'slow' or 'requires PAGE.md'."
                 )
         if pending is not None and pending[0] != i + 1 and line.strip():
             raise DocsTestError(
@@ -285,8 +291,15 @@ def _run_blocks(page: Page, results: list[dict]) -> bool:
             entry["status"] = "not run"
             continue
         start, cpu_start = time.perf_counter(), time.process_time()
-        if block.kind == "skip":
+        missing = (
+            [m for m in block.arg.split(",") if importlib.util.find_spec(m) is None]
+            if block.kind == "needs"
+            else []
+        )
+        if block.kind == "skip" or missing:
             entry["status"] = "skipped"
+            if missing:
+                entry["arg"] = f"needs {', '.join(missing)}, not installed"
         elif block.kind == "signature":
             try:
                 entry["checked"], problems = check_signatures(block.code, block.arg)
@@ -369,6 +382,8 @@ def _report(results: list[dict]) -> str:
     rows = []
     for r in results:
         what = {"skip": f"skip ({r['arg']})", "signature": f"signature {r['arg']}"}.get(r["kind"], "run")
+        if r["kind"] == "needs":
+            what = r["arg"] if r["status"] == "skipped" else f"run (needs {r['arg']})"
         seconds = f"{r['seconds']:7.1f} s ({r['cpu_seconds']:7.1f} s CPU)" if "seconds" in r else " " * 25
         rows.append(f"  {Path(r['page']).name}:{r['line']:<5} {r['status']:8} {seconds}  {what}")
     return "\n".join(rows)
@@ -417,7 +432,7 @@ def test_page_snippets_run(path: Path, tmp_path: Path) -> None:
 
 def test_every_page_parses() -> None:
     """Every page follows the conventions; prints every skipped block with its reason."""
-    errors, skipped, totals = [], [], {"run": 0, "skip": 0, "signature": 0}
+    errors, skipped, totals = [], [], {"run": 0, "skip": 0, "signature": 0, "needs": 0}
     for path in PAGES:
         try:
             page = parse_page(path)
@@ -428,8 +443,15 @@ def test_every_page_parses() -> None:
             totals[block.kind] += 1
             if block.kind == "skip":
                 skipped.append(f"  {_relative(path)}:{block.line}: {block.arg}")
+            if block.kind == "needs":
+                missing = [m for m in block.arg.split(",") if importlib.util.find_spec(m) is None]
+                if missing:
+                    skipped.append(
+                        f"  {_relative(path)}:{block.line}: needs {', '.join(missing)}, not installed"
+                    )
     print(
-        f"{len(PAGES)} pages: {totals['run']} blocks run, {totals['signature']} signature blocks, {totals['skip']} skipped"
+        f"{len(PAGES)} pages: {totals['run']} blocks run, {totals['needs']} run where their modules are installed, "
+        f"{totals['signature']} signature blocks, {totals['skip']} skipped"
     )
     print("\n".join(skipped))
     assert not errors, "\n".join(errors)
@@ -572,6 +594,11 @@ AutoModel.from_pretrained("some/hub-model")
 ```python
 indent(text, prefix, predicate=None) -> str
 ```
+
+<!-- docs-test: needs json, textwrap -->
+```python
+import json
+```
 """
 
 
@@ -585,6 +612,7 @@ def test_parse_finds_blocks_markers_and_directives(tmp_path: Path) -> None:
         (16, "skip", "needs the Hugging Face Hub", 'AutoModel.from_pretrained("some/hub-model")\n'),
         (22, "run", "", "y = x + 1\n"),
         (27, "signature", "textwrap", "indent(text, prefix, predicate=None) -> str\n"),
+        (32, "needs", "json,textwrap", "import json\n"),
     ]
     assert _EXAMPLE.splitlines()[21] == "   y = x + 1"  # line numbers point at the code
 
@@ -635,6 +663,8 @@ def test_runner_runs_in_order_skips_marked_blocks_and_stops_at_a_failure(tmp_pat
     page.write_text(
         "```python\nfrom pathlib import Path\nPath('made.txt').write_text('x')\nvalue = 41\n```\n\n"
         "<!-- docs-test: skip (needs a GPU) -->\n```python\nraise RuntimeError('a skipped block ran')\n```\n\n"
+        "<!-- docs-test: needs no_such_module_here -->\n```python\nraise RuntimeError('ran without its module')\n```\n\n"
+        "<!-- docs-test: needs json -->\n```python\nimport json\nvalue = json.loads('41')\n```\n\n"
         "```python\nassert value == 41\nvalue += 1\nraise KeyError(value)\n```\n\n"
         "```python\nprint('after the failure')\n```\n"
     )
@@ -644,11 +674,14 @@ def test_runner_runs_in_order_skips_marked_blocks_and_stops_at_a_failure(tmp_pat
     assert [(r["line"], r["status"]) for r in results] == [
         (2, "ok"),
         (9, "skipped"),
-        (13, "failed"),
-        (19, "not run"),
+        (14, "skipped"),
+        (19, "ok"),
+        (24, "failed"),
+        (30, "not run"),
     ]
-    assert "KeyError: 42" in results[2]["error"]
-    assert f'File "{page}", line 15' in results[2]["error"]  # the traceback names the markdown line
+    assert results[2]["arg"] == "needs no_such_module_here, not installed"
+    assert "KeyError: 42" in results[4]["error"]
+    assert f'File "{page}", line 26' in results[4]["error"]  # the traceback names the markdown line
     assert (workdir / "made.txt").exists()
     assert "after the failure" not in output
 
