@@ -38,6 +38,7 @@ import platform
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -1107,8 +1108,8 @@ def _json_default(value: Any) -> Any:
 
 @contextlib.contextmanager
 def _demo_environment(threads: int | None) -> Iterator[None]:
-    """The torch thread count for the run, no per-dataset-map progress bars (the stages have their own)
-    and transformers' warnings only; all restored afterwards."""
+    """The torch thread count for the run, no per-dataset-map progress bars (the stages have their own),
+    transformers' warnings only and no FutureWarnings; all restored afterwards."""
     import datasets
     import torch
     from transformers.utils import logging as hf_logging
@@ -1123,7 +1124,11 @@ def _demo_environment(threads: int | None) -> Iterator[None]:
     if threads:
         torch.set_num_threads(threads)
     try:
-        yield
+        with warnings.catch_warnings():
+            # Deprecation notes of the libraries (e.g. peft calling transformers'
+            # is_gradient_checkpointing) say nothing about the demo.
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
     finally:
         torch.set_num_threads(old_threads)
         hf_logging.set_verbosity(verbosity)

@@ -141,6 +141,10 @@ def _check_report(out, updates: dict[str, int], sample_rows: int) -> dict:
 
 
 def test_quick_demo_runs_every_stage_and_writes_the_report(kit, tmp_path, capsys):
+    import datasets
+    import torch
+
+    threads, bars = torch.get_num_threads(), datasets.is_progress_bar_enabled()
     out = tmp_path / "report"
     code = main(
         [
@@ -166,6 +170,9 @@ def test_quick_demo_runs_every_stage_and_writes_the_report(kit, tmp_path, capsys
     ]
     assert summary["sft"]["eval_loss_after"] < summary["sft"]["eval_loss_before"]
     assert summary["reward_model"]["eval_accuracy_after"] > 0.6
+    # The demo runs on one thread without dataset progress bars, and gives both back.
+    assert (torch.get_num_threads(), datasets.is_progress_bar_enabled()) == (threads, bars)
+    assert summary["versions"]["torch_threads"] == 1
     printed = capsys.readouterr().out
     assert "Sample completions" in printed and "Summary" in printed and "report written to" in printed
 
