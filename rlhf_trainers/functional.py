@@ -32,8 +32,8 @@ Responses and rewards
     :func:`stop_token_found`, :func:`apply_rejection_penalty`, :func:`position_ids_from_mask`,
     :func:`scale_rewards`, :func:`overlong_penalty`, :func:`normalize_rewards_gain_bias`.
 Log-probabilities
-    :func:`logprobs_from_logits`, :func:`entropy_from_logits` (chunked, never materialise the full
-    log-softmax).
+    :func:`logprobs_from_logits`, :func:`entropy_from_logits`, :func:`logprobs_and_entropy_from_logits`
+    (chunked, never materialise the full log-softmax).
 Losses
     :func:`clipped_policy_loss`, :func:`clipped_value_loss`.
 """
@@ -62,6 +62,7 @@ __all__ = [
     "gae_advantages",
     "kl_penalty",
     "last_true_indices",
+    "logprobs_and_entropy_from_logits",
     "logprobs_from_logits",
     "masked_mean",
     "masked_moments",
@@ -866,36 +867,69 @@ def _check_logits_args(
     return logits.dtype if compute_dtype is None else compute_dtype
 
 
+def _entropy_terms(x: Tensor, lse: Tensor) -> Tensor:
+    """Entropy ``lse - sum(softmax(x) * x)`` of (n, V) logits ``x`` with row logsumexp ``lse`` (n,)."""
+    probs = torch.exp(x - lse.unsqueeze(-1))
+    # -inf logits (top-k/top-p filtering) have probability 0: 0 * -inf is NaN, and masking the product
+    # afterwards would still send NaN through its backward, so mask the factor first.
+    x_finite = torch.where(probs > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return lse - (probs * x_finite).sum(-1)
+
+
 class _TokenLogprob(torch.autograd.Function):
-    """``logit[token] / T - logsumexp(logits / T)`` chunk by chunk.
+    """``logit[token] / T - logsumexp(logits / T)`` chunk by chunk, and optionally (no gradient) the
+    entropy of ``softmax(logits / T)`` in the same pass over the logits.
 
     A custom backward saves only the per-row logsumexp: autograd through the chunks would save every
     upcast (chunk, V) copy, i.e. a full float32 copy of bf16 logits.  The gradient
-    ``(onehot - softmax) * grad / T`` is rebuilt chunk by chunk in the backward pass.
+    ``(onehot - softmax) * grad / T`` is rebuilt chunk by chunk in the backward pass.  The entropy
+    reuses each chunk's upcast, temperature-scaled copy and (when computed in the same dtype) its
+    logsumexp, so asking for it costs one ``exp`` and one product per chunk instead of a second pass.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits: Tensor, tokens: Tensor, temperature: float, chunk_size: int | None, cdt: torch.dtype
-    ) -> Tensor:
+        ctx: Any,
+        logits: Tensor,
+        tokens: Tensor,
+        temperature: float,
+        chunk_size: int | None,
+        cdt: torch.dtype,
+        entropy_dtype: torch.dtype | None,
+    ) -> tuple[Tensor, Tensor]:
         rows = _as_rows(logits)
         tok = tokens.reshape(rows.shape[0], rows.shape[1])
         out = torch.empty(tok.shape, dtype=cdt, device=logits.device)
         lse = torch.empty(tok.shape, dtype=cdt, device=logits.device)
+        ent_shape = tok.shape if entropy_dtype is not None else (0,)
+        ent = torch.empty(ent_shape, dtype=entropy_dtype or cdt, device=logits.device)
         for p, q0, q1 in _chunks(rows, chunk_size):
             x = rows[p, q0:q1].to(cdt)
             if temperature != 1.0:
                 x = x / temperature  # a new tensor: the caller's logits are never scaled in place
-            lse[p, q0:q1] = torch.logsumexp(x, dim=-1)
-            out[p, q0:q1] = x.gather(-1, tok[p, q0:q1].unsqueeze(-1)).squeeze(-1) - lse[p, q0:q1]
+            chunk_lse = torch.logsumexp(x, dim=-1)
+            lse[p, q0:q1] = chunk_lse
+            out[p, q0:q1] = x.gather(-1, tok[p, q0:q1].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            if entropy_dtype is not None:
+                if entropy_dtype != cdt:
+                    x = rows[p, q0:q1].to(entropy_dtype)
+                    if temperature != 1.0:
+                        x = x / temperature
+                    chunk_lse = torch.logsumexp(x, dim=-1)
+                ent[p, q0:q1] = _entropy_terms(x, chunk_lse)
         ctx.save_for_backward(logits, tok, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        return out.reshape(tokens.shape)
+        if entropy_dtype is not None:
+            ent = ent.reshape(tokens.shape)
+        ctx.mark_non_differentiable(ent)
+        return out.reshape(tokens.shape), ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None, None, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, None, None, None, None, None]:
         logits, tok, lse = ctx.saved_tensors
         temperature = ctx.temperature
         rows = _as_rows(logits)
@@ -912,7 +946,15 @@ class _TokenLogprob(torch.autograd.Function):
             if temperature != 1.0:
                 grad.div_(temperature)
             grad_rows[p, q0:q1] = grad
-        return grad_rows.view(logits.shape), None, None, None, None
+        return grad_rows.view(logits.shape), None, None, None, None, None
+
+
+def _check_tokens(logits: Tensor, tokens: Tensor) -> None:
+    if tuple(tokens.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"tokens must have the shape of logits without the vocabulary dim, got tokens "
+            f"{tuple(tokens.shape)} and logits {tuple(logits.shape)}."
+        )
 
 
 def logprobs_from_logits(
@@ -949,12 +991,44 @@ def logprobs_from_logits(
         (B, T) log-probabilities in ``compute_dtype``, differentiable w.r.t. ``logits`` (first order).
     """
     cdt = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
-    if tuple(tokens.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"tokens must have the shape of logits without the vocabulary dim, got tokens "
-            f"{tuple(tokens.shape)} and logits {tuple(logits.shape)}."
-        )
-    return _TokenLogprob.apply(logits, tokens.long(), float(temperature), chunk_size, cdt)
+    _check_tokens(logits, tokens)
+    logprobs, _ = _TokenLogprob.apply(logits, tokens.long(), float(temperature), chunk_size, cdt, None)
+    return logprobs
+
+
+def logprobs_and_entropy_from_logits(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+    entropy_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """:func:`logprobs_from_logits` and the (detached) :func:`entropy_from_logits` in one chunked pass.
+
+    What a training step needs: the sampled tokens' log-probabilities with their gradient, and the
+    policy entropy as a logged metric.  Each chunk of logits is upcast and divided by the temperature
+    once, and its logsumexp serves both quantities when ``entropy_dtype`` equals the log-probs'
+    compute dtype; calling the two functions one after the other reads, upcasts and reduces the logits
+    twice.
+
+    Args:
+        logits, tokens, temperature, chunk_size, compute_dtype: as in :func:`logprobs_from_logits`.
+        entropy_dtype: dtype of the entropy's arithmetic and result (float32 by default, as the trainers
+            log it).
+
+    Returns:
+        ``(logprobs, entropy)``, both (B, T): ``logprobs`` in ``compute_dtype`` and differentiable w.r.t.
+        ``logits`` (first order), exactly :func:`logprobs_from_logits`'s values; ``entropy`` in
+        ``entropy_dtype``, carrying no gradient, the values of :func:`entropy_from_logits` with the same
+        arguments.
+    """
+    cdt = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
+    _check_tokens(logits, tokens)
+    if not entropy_dtype.is_floating_point:
+        raise ValueError(f"entropy_dtype must be a floating dtype, got {entropy_dtype}.")
+    return _TokenLogprob.apply(logits, tokens.long(), float(temperature), chunk_size, cdt, entropy_dtype)
 
 
 def entropy_from_logits(
@@ -989,12 +1063,7 @@ def entropy_from_logits(
         x = rows[p, q0:q1].to(cdt)
         if temperature != 1.0:
             x = x / temperature
-        lse = torch.logsumexp(x, dim=-1)
-        probs = torch.exp(x - lse.unsqueeze(-1))
-        # -inf logits (top-k/top-p filtering) have probability 0: 0 * -inf is NaN, and masking the
-        # product afterwards would still send NaN through its backward, so mask the factor first.
-        x_finite = torch.where(probs > 0, x, torch.zeros((), dtype=cdt, device=x.device))
-        per_row[p].append(lse - (probs * x_finite).sum(-1))
+        per_row[p].append(_entropy_terms(x, torch.logsumexp(x, dim=-1)))
     return torch.stack([torch.cat(parts) for parts in per_row]).reshape(logits.shape[:-1])
 
 

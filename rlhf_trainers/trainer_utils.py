@@ -22,6 +22,7 @@ each path and checks the ranks end with identical weights.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import signal
@@ -256,6 +257,34 @@ class NonFiniteStepGuard:
         self.skipped = 0
         self.consecutive = 0
         self._handle: Any = None
+        self._norm_finite = False
+
+    def note_grad_norm(self, norm: float) -> None:
+        """Tell the guard the total gradient norm of the step about to be taken (e.g. the one gradient
+        clipping just computed over the same parameters): a finite norm proves every gradient entry
+        finite, so the next ``step()`` skips its own pass over the gradients (at 135M parameters on one
+        CPU thread that pass costs about as much as the AdamW update itself)."""
+        self._norm_finite = math.isfinite(float(norm))
+
+    @staticmethod
+    def gradients_finite(grads: list[Any]) -> bool:
+        """Whether every entry of ``grads`` is finite, exactly, in one cheap pass where possible.
+
+        A sum with a NaN or infinite term is NaN or infinite, so a finite (at least float32) sum proves a gradient
+        finite; only a gradient whose sum is not finite (a non-finite entry, or finite entries whose sum
+        overflows) is checked entry by entry. ``isfinite`` on every gradient would allocate and scan
+        several gradient-sized temporaries instead."""
+        import torch
+
+        if not grads:
+            return True
+        sums = torch.stack([g.sum(dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads])
+        ok = torch.isfinite(sums)
+        if bool(ok.all()):
+            return True
+        return all(
+            bool(torch.isfinite(g).all()) for g, fine in zip(grads, ok.tolist(), strict=True) if not fine
+        )
 
     def attach(self, optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
@@ -268,13 +297,14 @@ class NonFiniteStepGuard:
             self._handle = None
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        norm_finite, self._norm_finite = self._norm_finite, False
+        if norm_finite:
+            self.consecutive = 0
+            return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return
-        import torch
-
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-        if finite:
+        if self.gradients_finite(grads):
             self.consecutive = 0
             return
         self.skipped += 1

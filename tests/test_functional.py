@@ -1093,3 +1093,45 @@ def test_all_lists_public_names():
     assert set(F.__all__) == defined_here | constants
     for name in defined_here:
         assert getattr(F, name).__doc__, name
+
+
+@pytest.mark.parametrize(
+    ("dtype", "compute_dtype"),
+    [(torch.float32, None), (torch.bfloat16, torch.float32), (torch.bfloat16, None)],
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_logprobs_and_entropy_in_one_pass_match_the_separate_functions(
+    dtype, compute_dtype, temperature, chunk_size
+):
+    g = torch.Generator().manual_seed(0)
+    full = (torch.randn(3, 8, 11, generator=g) * 3).to(dtype)
+    full[0, 2, 4] = -math.inf  # a filtered vocabulary entry (never sampled below)
+    tokens = torch.randint(5, 11, (3, 6), generator=g)
+    fused_leaf = full.detach().clone().requires_grad_()
+    plain_leaf = full.detach().clone().requires_grad_()
+    kwargs = {"chunk_size": chunk_size, "compute_dtype": compute_dtype}
+    # the trainers' non-contiguous slice of the logits
+    lp, ent = F.logprobs_and_entropy_from_logits(fused_leaf[:, 1:-1], tokens, temperature, **kwargs)
+    ref_lp = F.logprobs_from_logits(plain_leaf[:, 1:-1], tokens, temperature, **kwargs)
+    ref_ent = F.entropy_from_logits(
+        full[:, 1:-1], chunk_size=chunk_size, compute_dtype=torch.float32, temperature=temperature
+    )
+    assert lp.dtype == ref_lp.dtype and torch.equal(lp, ref_lp)
+    assert ent.dtype == torch.float32 and not ent.requires_grad and torch.isfinite(ent).all()
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    exact = torch.distributions.Categorical(logits=full[:, 1:-1].double() / temperature).entropy()
+    torch.testing.assert_close(ent.double(), exact, atol=1e-4 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    weights = torch.randn(lp.shape, generator=g)
+    (lp.float() * weights).sum().backward()
+    (ref_lp.float() * weights).sum().backward()
+    assert torch.equal(fused_leaf.grad, plain_leaf.grad)
+
+
+def test_logprobs_and_entropy_from_logits_empty_and_bad_arguments():
+    lp, ent = F.logprobs_and_entropy_from_logits(torch.zeros(0, 4, 5), torch.zeros(0, 4, dtype=torch.long))
+    assert lp.shape == ent.shape == (0, 4)
+    with pytest.raises(ValueError, match="entropy_dtype"):
+        F.logprobs_and_entropy_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 2), entropy_dtype=torch.long)
+    with pytest.raises(ValueError, match="tokens must have the shape"):
+        F.logprobs_and_entropy_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 3))

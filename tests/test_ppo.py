@@ -766,3 +766,52 @@ def test_config_validation(tmp_path, field, value, message):
 def test_both_penalties_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="set one of them"):
         _config(tmp_path, missing_eos_penalty=1.0, rejection_penalty=-1.0)
+
+
+def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(kit, tmp_path, monkeypatch):
+    """PPO's rollout and training forward passes skip the all-padding prompt and response columns; the
+    values, log-probs, losses and gradients (policy and value model) are those of full-width passes."""
+    from rlhf_trainers.onpolicy import trainer as engine
+
+    R = 10
+    trainer = _trainer(kit, tmp_path, stop_token="eos", response_length=R, temperature=0.7)
+    eos = trainer.processing_class.eos_token_id
+
+    def generate(query, query_mask, with_logprobs=False):
+        g = torch.Generator().manual_seed(int(query.sum()))
+        response = torch.randint(10, 40, (query.shape[0], R), generator=g)
+        response[torch.arange(query.shape[0]), 1 + torch.arange(query.shape[0]) % 4] = eos
+        return response, None
+
+    trainer._generate = generate
+    batch = trainer._prompt_batch(0)
+    trimmed = trainer.rollout(batch)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "_trim_bounds", lambda qm, rm: (0, rm.shape[1]))
+        full = trainer.rollout(batch)
+    mask = trimmed["response_mask"]
+    assert int(trimmed["lengths"].max()) == 5
+    for key in ("logprobs", "ref_logprobs", "values"):
+        torch.testing.assert_close(trimmed[key] * mask, full[key] * mask, atol=2e-5, rtol=0)
+
+    trainer.compute_advantages(trimmed)
+    qlen = trimmed["query_mask"].sum(1)
+    idx = torch.nonzero(qlen < qlen.max()).flatten()[:4]
+    start, end = engine._trim_bounds(trimmed["query_mask"][idx], mask[idx])
+    assert start > 0 and end == 5
+    model = trainer.model
+    results = []
+    for bounds in (None, (0, R)):
+        model.zero_grad()
+        logprobs, values, _ = trainer._training_forward(model, trimmed, idx, bounds)
+        assert logprobs.shape == values.shape == (len(idx), R)
+        loss, _ = trainer.compute_policy_loss(trimmed, idx, logprobs, values)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((values.detach() * mask[idx], loss.detach(), grads))
+    (v_t, loss_t, grads_t), (v_f, loss_f, grads_f) = results
+    torch.testing.assert_close(v_t, v_f, atol=2e-5, rtol=0)
+    torch.testing.assert_close(loss_t, loss_f, atol=1e-6, rtol=1e-5)
+    assert len(grads_t) == len(grads_f) > 0
+    for a, b in zip(grads_t, grads_f, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

@@ -730,3 +730,67 @@ def test_whiten_rewards_with_the_token_level_reward(kit, tmp_path):
     r = _rollout(trainer)
     mask = r["response_mask"]
     assert float(F.masked_var(trainer.token_rewards(r), mask)) == pytest.approx(1.0, abs=1e-3)
+
+
+def _early_stopping_generation(trainer, width: int):
+    """A deterministic ``_generate``: random tokens with the EOS stop token at position 1 + row % 4, so
+    every response ends before column 5 of ``width`` and the lengths differ between rows."""
+    eos = trainer.processing_class.eos_token_id
+
+    def generate(query, query_mask, with_logprobs=False):
+        g = torch.Generator().manual_seed(int(query.sum()))
+        response = torch.randint(10, 40, (query.shape[0], width), generator=g)
+        response[torch.arange(query.shape[0]), 1 + torch.arange(query.shape[0]) % 4] = eos
+        return response, (torch.zeros(response.shape) if with_logprobs else None)
+
+    return generate
+
+
+def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkeypatch):
+    """Rollout and training forward passes leave out the prompt columns that are padding in every row and
+    the response columns after the longest response; log-probs, entropies, losses and gradients are
+    those of the full-width passes (temperature != 1, sequence-level and token-level losses)."""
+    from rlhf_trainers.onpolicy import trainer as engine
+
+    R = 10
+    trainer = _trainer(
+        kit, tmp_path, stop_token="eos", response_length=R, temperature=0.7, rloo_k=2, train_n=64
+    )
+    trainer._generate = _early_stopping_generation(trainer, R)
+    batch = trainer._prompt_batch(0)
+    trimmed = trainer.rollout(batch)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "_trim_bounds", lambda qm, rm: (0, rm.shape[1]))
+        full = trainer.rollout(batch)
+    mask = trimmed["response_mask"]
+    assert torch.equal(mask, full["response_mask"]) and int(trimmed["lengths"].max()) == 5
+    for key in ("logprobs", "ref_logprobs", "entropy"):
+        torch.testing.assert_close(trimmed[key] * mask, full[key] * mask, atol=2e-5, rtol=0)
+        assert (trimmed[key][:, 5:] == 0).all()  # padded back to R with zeros, at masked positions
+
+    # Training forward: a micro-batch whose prompts are all shorter than the rollout's longest one.
+    qlen = trimmed["query_mask"].sum(1)
+    idx = torch.nonzero(qlen < qlen.max()).flatten()[:4]
+    start, end = engine._trim_bounds(trimmed["query_mask"][idx], mask[idx])
+    assert start > 0 and end == 5
+    model = trainer.model
+    for token_level in (False, True):
+        trainer.args.token_level_kl = token_level
+        trainer.compute_advantages(trimmed)
+        results = []
+        for bounds in (None, (0, R)):
+            model.zero_grad()
+            logprobs, values, entropy = trainer._training_forward(model, trimmed, idx, bounds)
+            assert values is None and logprobs.shape == entropy.shape == (len(idx), R)
+            assert not entropy.requires_grad
+            loss, _ = trainer.compute_policy_loss(trimmed, idx, logprobs, values)
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            results.append((logprobs.detach() * mask[idx], entropy * mask[idx], loss.detach(), grads))
+        (lp_t, ent_t, loss_t, grads_t), (lp_f, ent_f, loss_f, grads_f) = results
+        torch.testing.assert_close(lp_t, lp_f, atol=2e-5, rtol=0)
+        torch.testing.assert_close(ent_t, ent_f, atol=2e-5, rtol=0)
+        torch.testing.assert_close(loss_t, loss_f, atol=1e-6, rtol=1e-5)
+        assert len(grads_t) == len(grads_f) > 0
+        for a, b in zip(grads_t, grads_f, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

@@ -128,6 +128,32 @@ def token_values(
     return getattr(base, head_name)(hidden).squeeze(-1)
 
 
+def _bounds_of(query_start: torch.Tensor, response_end: torch.Tensor, query_width: int) -> tuple[int, int]:
+    """The columns a batch needs from per-row bounds: its earliest first prompt column (at most
+    ``query_width - 1``: one prompt column always stays, the one whose output predicts the first
+    response token), and its latest response end (at least 1: never an empty response)."""
+    if query_start.numel() == 0:
+        return 0, 1
+    start = min(int(query_start.min()), max(query_width - 1, 0))
+    return start, max(int(response_end.max()), 1)
+
+
+def _trim_bounds(query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int]:
+    """``(start, end)``: the batch's prompt columns before ``start`` and response columns from ``end`` on
+    are padding in every row (see :func:`_bounds_of`)."""
+    return _bounds_of(
+        F.first_true_indices(query_mask), F.last_true_indices(response_mask) + 1, query_mask.shape[1]
+    )
+
+
+def _pad_columns(values: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, n) -> (B, width) with zeros appended (``values`` itself when ``n == width``)."""
+    missing = width - values.shape[1]
+    if missing <= 0:
+        return values
+    return torch.cat([values, values.new_zeros(values.shape[0], missing)], dim=1)
+
+
 def _load_causal_lm(
     model: str | os.PathLike[str] | PreTrainedModel, kwargs: dict[str, Any] | None, what: str
 ) -> PreTrainedModel:
@@ -677,6 +703,20 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             compute_dtype=torch.float32 if args.logprobs_in_fp32 else None,
         )
 
+    def _logprobs_and_entropy(
+        self, logits: torch.Tensor, response: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_logprobs` and the float32 entropy (no gradient) in one chunked pass over the logits."""
+        args = self.args
+        return F.logprobs_and_entropy_from_logits(
+            logits,
+            response,
+            args.temperature,
+            chunk_size=args.logprob_chunk_size,
+            compute_dtype=torch.float32 if args.logprobs_in_fp32 else None,
+            entropy_dtype=torch.float32,
+        )
+
     def _sequence_inputs(
         self,
         query: torch.Tensor,
@@ -763,30 +803,29 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 parts["gen_logprobs"].append(gen_logprobs.float())
             timings["timing/generate"] += time.perf_counter() - t0
             lengths = self._response_lengths(raw)
-            rmask = torch.arange(raw.shape[1], device=device)[None, :] < lengths[:, None]
+            R = raw.shape[1]
+            rmask = torch.arange(R, device=device)[None, :] < lengths[:, None]
             response = raw.masked_fill(~rmask, pad)
-            ids, mask, pos = self._sequence_inputs(q, qm, response, rmask)
+            # The forward passes see the prompt columns some row uses and the response columns up to
+            # the longest response; what they leave out is padding in every row, and the results are
+            # padded back to R (with zeros, at masked positions).
+            start, end = _trim_bounds(qm, rmask)
+            tq, tqm, tr, trm = q[:, start:], qm[:, start:], response[:, :end], rmask[:, :end]
+            ids, mask, pos = self._sequence_inputs(tq, tqm, tr, trm)
             t0 = time.perf_counter()
-            logits = policy_logits(self.policy, ids, mask, pos, response.shape[1] + 1)[:, :-1]
-            parts["logprobs"].append(self._logprobs(logits, response))
-            parts["entropy"].append(
-                F.entropy_from_logits(
-                    logits,
-                    chunk_size=args.logprob_chunk_size,
-                    compute_dtype=torch.float32,
-                    temperature=args.temperature,
-                )
-            )
+            logits = policy_logits(self.policy, ids, mask, pos, end + 1)[:, :-1]
+            logprobs, entropy = self._logprobs_and_entropy(logits, tr)
+            parts["logprobs"].append(_pad_columns(logprobs, R))
+            parts["entropy"].append(_pad_columns(entropy, R))
             del logits
             timings["timing/policy"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            parts["ref_logprobs"].append(self._reference_logprobs(ids, mask, pos, response))
+            parts["ref_logprobs"].append(_pad_columns(self._reference_logprobs(ids, mask, pos, tr), R))
             timings["timing/ref"] += time.perf_counter() - t0
             if self.value_model is not None:
                 t0 = time.perf_counter()
-                parts["values"].append(
-                    token_values(self.value_model, ids, mask, pos)[:, q.shape[1] - 1 : -1].float()
-                )
+                values = token_values(self.value_model, ids, mask, pos)[:, tq.shape[1] - 1 : -1].float()
+                parts["values"].append(_pad_columns(values, R))
                 timings["timing/values"] += time.perf_counter() - t0
             parts["response"].append(response)
             parts["response_mask"].append(rmask)
@@ -884,30 +923,36 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
     # ---- the optimisation ------------------------------------------------------------------------
 
     def _training_forward(
-        self, model: nn.Module, rollout: dict[str, Any], idx: torch.Tensor
+        self,
+        model: nn.Module,
+        rollout: dict[str, Any],
+        idx: torch.Tensor,
+        bounds: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Log-probs (with gradient), values (PPO) and the entropy metric of rollout rows ``idx``.
+
+        The forward pass covers only the columns some row of the micro-batch needs (``bounds``: first
+        prompt column, end of the response columns; computed from the masks when None): leading prompt
+        padding and the response padding after the longest response are left out, and the outputs are
+        padded back to the rollout's response length with zeros at those (masked) positions."""
         q, qm = rollout["query"][idx], rollout["query_mask"][idx]
         response, rmask = rollout["response"][idx], rollout["response_mask"][idx]
+        R = response.shape[1]
+        start, end = _trim_bounds(qm, rmask) if bounds is None else bounds
+        q, qm, response, rmask = q[:, start:], qm[:, start:], response[:, :end], rmask[:, :end]
         ids, mask, pos = self._sequence_inputs(q, qm, response, rmask)
         logits, values = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            logits_to_keep=response.shape[1] + 1,
+            logits_to_keep=end + 1,
             with_values=self.value_model is not None,
         )
-        logits = logits[:, :-1]
-        logprobs = self._logprobs(logits, response)
-        with torch.no_grad():
-            entropy = F.entropy_from_logits(
-                logits.detach(),
-                chunk_size=self.args.logprob_chunk_size,
-                compute_dtype=torch.float32,
-                temperature=self.args.temperature,
-            )
+        logprobs, entropy = self._logprobs_and_entropy(logits[:, :-1], response)
+        del logits
         if values is not None:
-            values = values[:, q.shape[1] - 1 : -1].float()
-        return logprobs, values, entropy
+            values = _pad_columns(values[:, q.shape[1] - 1 : -1].float(), R)
+        return _pad_columns(logprobs, R), values, _pad_columns(entropy, R)
 
     def _optimize(self, model: nn.Module, rollout: dict[str, Any], update: int) -> dict[str, float]:
         args = self.args
@@ -916,18 +961,26 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         grad_norms: list[float] = []
         is_deepspeed = self.is_deepspeed_enabled
+        # Per row, on the host (one transfer per update, none per micro-batch): first real prompt column
+        # and one past the last valid response column, from which each micro-batch's trim is read.
+        q_start = F.first_true_indices(rollout["query_mask"]).cpu()
+        r_end = (F.last_true_indices(rollout["response_mask"]) + 1).cpu()
         for epoch in range(args.num_ppo_epochs):
             generator = torch.Generator().manual_seed(
                 hash((args.seed, self.accelerator.process_index, update, epoch)) % (2**63)
             )
-            perm = torch.randperm(N, generator=generator).to(rollout["response"].device)
+            perm_cpu = torch.randperm(N, generator=generator)
+            perm = perm_cpu.to(rollout["response"].device)
             for mb in range(args.num_mini_batches):
-                mb_idx = perm[mb * args.local_mini_batch_size : (mb + 1) * args.local_mini_batch_size]
                 for micro in range(ga):
-                    idx = mb_idx[
-                        micro * args.per_device_train_batch_size : (micro + 1)
-                        * args.per_device_train_batch_size
-                    ]
+                    rows = slice(
+                        mb * args.local_mini_batch_size + micro * args.per_device_train_batch_size,
+                        mb * args.local_mini_batch_size + (micro + 1) * args.per_device_train_batch_size,
+                    )
+                    idx = perm[rows]
+                    bounds = _bounds_of(
+                        q_start[perm_cpu[rows]], r_end[perm_cpu[rows]], rollout["query"].shape[1]
+                    )
                     last = micro == ga - 1
                     self.accelerator.gradient_state._set_sync_gradients(last)
                     sync = (
@@ -936,7 +989,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                         else self.accelerator.no_sync(model)
                     )
                     with sync:
-                        logprobs, values, entropy = self._training_forward(model, rollout, idx)
+                        logprobs, values, entropy = self._training_forward(model, rollout, idx, bounds)
                         if epoch == 0 and mb == 0 and micro == 0:
                             self._check_ratio_at_start(logprobs.detach(), rollout, idx, stats)
                         loss, metrics = self.compute_policy_loss(rollout, idx, logprobs, values)
@@ -949,6 +1002,9 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 if args.max_grad_norm and args.max_grad_norm > 0:
                     norm = self._clip_grad_norm(model)
                     grad_norms.append(float(norm.item() if hasattr(norm, "item") else norm))
+                    # The clipping norm covers the parameters the optimizer steps: when it is finite the
+                    # non-finite-step guard need not scan every gradient again.
+                    self._reliability.guard.note_grad_norm(grad_norms[-1])
                 self.optimizer.step()
                 model.zero_grad()
         out = {name: torch.stack(v).mean() for name, v in stats.items()}
