@@ -367,6 +367,13 @@ def onpolicy_parser(description: str) -> argparse.ArgumentParser:
         "--no_gather_for_generation", action="store_true", help="ds3_gather_for_generation=False"
     )
     parser.add_argument(
+        "--sigterm_during_update",
+        type=int,
+        default=0,
+        help="the last rank sends itself SIGTERM in the middle of update N (from inside its first policy "
+        "loss of that update); every rank must stop after update N with its checkpoint written; 0: never",
+    )
+    parser.add_argument(
         "--dump_stacks_after",
         type=float,
         default=0,
@@ -438,13 +445,16 @@ def train_and_report(
     Returns:
         the digests and logs above, ``metrics_before``/``metrics`` (eval before and after),
         ``world_size``, ``torch_world_size``, ``distributed_type``, ``zero_stage``, ``global_step``,
-        ``updates_run`` (by this launch) and ``train_seconds``. Every step is a collective under
+        ``updates_run`` (by this launch), ``interrupted`` (``train()`` stopped on a signal) and
+        ``train_seconds``. Every step is a collective under
         ZeRO-3: call it on every rank.
     """
     import torch
 
     counter = CountUpdates()
     trainer.add_callback(counter)
+    if getattr(cli, "sigterm_during_update", 0):
+        _send_sigterm_during_update(trainer, cli.sigterm_during_update)
     result: dict[str, Any] = {
         f"{p}_before": parameter_digest(getattr(trainer, a))[0] for p, a in models.items()
     }
@@ -467,8 +477,30 @@ def train_and_report(
         zero_stage=state.deepspeed_plugin.zero_stage if state.deepspeed_plugin else None,
         global_step=trainer.state.global_step,
         updates_run=counter.updates,
+        interrupted=trainer.interrupted,
     )
     return result
+
+
+def _send_sigterm_during_update(trainer: Trainer, update: int) -> None:
+    """Make the last rank send itself SIGTERM once, from inside the first policy loss of `update` (as a
+    scheduler's preemption would arrive in the middle of an update), and no other rank."""
+    import signal
+
+    accelerator = trainer.accelerator
+    if accelerator.process_index != accelerator.num_processes - 1:
+        return
+    compute = trainer.compute_policy_loss
+    sent = False
+
+    def signalling(*args: Any, **kwargs: Any) -> Any:
+        nonlocal sent
+        if not sent and trainer.state.global_step == update - 1:  # global_step counts finished updates
+            sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return compute(*args, **kwargs)
+
+    trainer.compute_policy_loss = signalling
 
 
 @dataclass

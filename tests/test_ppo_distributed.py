@@ -126,9 +126,71 @@ def test_learns_keeps_ranks_identical_and_saves(kit, runs, start_digests, mode):
         assert (checkpoint / f"global_step{SAVE_STEPS * 4}").is_dir()
 
 
-@pytest.mark.parametrize("mode", ONPOLICY_MODES)
+# ZeRO-2's resume from checkpoint-10 is the first launch of the interruption test below.
+@pytest.mark.parametrize("mode", [m for m in ONPOLICY_MODES if m.id != "zero2"])
 def test_resume_ends_like_the_uninterrupted_run(runs, tmp_path, mode):
     check_resume(runs, mode, tmp_path / "out", digests=("policy_digest", "value_digest"))
+
+
+@pytest.mark.deepspeed
+@requires_deepspeed
+def test_sigterm_to_one_rank_under_zero2_stops_both_and_resumes_like_the_uninterrupted_run(runs, tmp_path):
+    """Resume and interruption under DeepSpeed ZeRO-2 (issue #8; tests/test_reliability.py covers one
+    process and DDP). A 2-rank launch resumes the ZeRO-2 run from its checkpoint-10; in the middle of
+    update 15 rank 1 alone gets SIGTERM. Both ranks finish that update, write one complete checkpoint-15
+    (with the engine's own checkpoint) and return from train(). A second 2-rank launch resumes from the
+    newest checkpoint, logs exactly the uninterrupted run's metrics for updates 16-20 and ends with its
+    weights, bitwise. The uninterrupted run is the cached ZeRO-2 run of the tests above: two launches of
+    5 updates each (they replace test_resume_ends_like_the_uninterrupted_run's ZeRO-2 launch).
+
+    Bitwise equality across launches needs the same code in every launch: a change to the package
+    between the cached run and these launches (an edit while the session runs) moves the floats by
+    rounding and fails the digest check, as it would fail check_resume."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from rlhf_trainers.trainer_utils import STAGING_PREFIX
+
+    stop = 15
+    uninterrupted = runs.trained("zero2")
+    expected = uninterrupted.rank0
+    out = tmp_path / "out"
+    start = uninterrupted.out / f"checkpoint-{SAVE_STEPS}"
+    # (8 eval prompts instead of 64: a resumed launch restores the RNG after its evaluation, so the size of
+    # the evaluation does not change what it trains)
+    small_eval = ("--num_eval_prompts", "8")
+    stopped = runs.launch(
+        out,
+        "zero2",
+        "--resume_from_checkpoint",
+        str(start),
+        "--sigterm_during_update",
+        str(stop),
+        *small_eval,
+    )
+    for r in stopped.results:
+        assert (r["global_step"], r["updates_run"], r["interrupted"]) == (stop, stop - SAVE_STEPS, True)
+        assert r["zero_stage"] == 2 and r["torch_world_size"] == 2
+    # Resumed from checkpoint-10, updates 11-15 (the interrupted one too) are the uninterrupted run's.
+    assert stopped.rank0["scores"] == expected["scores"][:stop]
+    # One complete checkpoint, of the interrupted update, and nothing half-written: the one that
+    # resume_from_checkpoint=True picks.
+    names = sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", STAGING_PREFIX)))
+    assert names == [f"checkpoint-{stop}"]
+    checkpoint = out / f"checkpoint-{stop}"
+    assert get_last_checkpoint(str(out)) == str(checkpoint)
+    assert json.loads((checkpoint / "onpolicy_state.json").read_text())["global_step"] == stop
+    assert (checkpoint / "trainer_state.json").is_file()
+    assert (checkpoint / "value_model").is_dir()
+    assert (checkpoint / f"global_step{stop * 4}").is_dir()  # the engine's checkpoint (4 steps/update)
+
+    resumed = runs.launch(out, "zero2", "--resume_from_checkpoint", str(checkpoint), *small_eval)
+    for r in resumed.results:
+        assert (r["global_step"], r["updates_run"], r["interrupted"]) == (UPDATES, UPDATES - stop, False)
+        for key in ("policy_digest", "value_digest"):
+            assert r[key] == expected[key], key
+    for key in ("scores", "true_reward", "kl", "ratio_at_start", "value_loss", "grad_norm", "lr"):
+        assert len(resumed.rank0[key]) == UPDATES, key
+        assert resumed.rank0[key][stop:] == expected[key][stop:], key
 
 
 # ZeRO-3 as the transformers docs configure it: a DeepSpeed config file whose batch sizes, gradient
