@@ -1,16 +1,19 @@
 """Memory over a long run: does a trainer's resident memory grow with the number of updates?
 
 Runs many small updates of PPOTrainer or RLOOTrainer on the offline kit (tiny Llama, the hidden true
-reward as the reward function, a checkpoint every ``--save-steps`` updates, logging every update, so that
-the paths a real run takes all run many times) and records the process's resident set size (RSS) after
-every update. Reports the peak RSS over the first half of the updates and over the second half, and
-their ratio (issue #8: over 1,000 updates the second half's peak must be within 5 % of the first's).
+reward as the reward function), or many optimizer steps of RewardTrainer on the kit's preference pairs
+(the tiny Llama with a score head; the 2,048 pairs repeat as epochs), with a checkpoint every
+``--save-steps`` updates and logging every update, so that the paths a real run takes all run many
+times, and records the process's resident set size (RSS) after every update. Reports the peak RSS
+over the first half of the updates and over the second half, and their ratio (issue #8: over 1,000
+updates the second half's peak must be within 5 % of the first's).
 
-    python benchmarks/long_run_memory.py --trainer ppo --updates 1000 --out benchmarks/results
-    python benchmarks/long_run_memory.py --trainer rloo --updates 1000 --out benchmarks/results
+    python benchmarks/long_run_memory.py --trainer ppo --updates 1000 --tag cpu --out benchmarks/results
+    python benchmarks/long_run_memory.py --trainer rloo --updates 1000 --tag cpu --out benchmarks/results
+    python benchmarks/long_run_memory.py --trainer reward --updates 1000 --tag cpu --out benchmarks/results
 
-Writes ``<out>/long_run_memory_<trainer>.json``: the per-update RSS (MiB), both peaks, the ratio, the
-seconds per update and the machine.
+Writes ``<out>/long_run_memory_<trainer>[_<tag>].json``: the per-update RSS (MiB), both peaks, the
+ratio, the seconds per update, the torch threads and the machine.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,12 +40,13 @@ def rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(trainer_name: str, updates: int, save_steps: int, seed: int) -> dict:
-    """Train ``updates`` updates and return the per-update RSS and timings."""
+def run(trainer_name: str, updates: int, save_steps: int, seed: int, progress: int = 0) -> dict:
+    """Train ``updates`` updates and return the per-update RSS and timings (an RSS line on stderr every
+    ``progress`` updates when > 0)."""
     from transformers import PrinterCallback, TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+    from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
     from rlhf_trainers.testing import get_kit, true_reward
 
     hf_logging.set_verbosity_error()
@@ -57,41 +62,56 @@ def run(trainer_name: str, updates: int, save_steps: int, seed: int) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter() - self.t0)
 
-        def on_log(self, args, state, control, **kwargs):
-            samples.append(rss_mib())  # after the update, its logging and (every save_steps) its save
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "train_runtime" in logs:
+                return  # Trainer's end-of-run summary (RewardTrainer), not an update
+            samples.append(rss_mib())  # after the update and its logging (a save comes after the log)
+            if progress and len(samples) % progress == 0:
+                print(f"update {len(samples)}: RSS {samples[-1]:.1f} MiB", file=sys.stderr, flush=True)
 
-    config_class, trainer_class = (
-        (PPOConfig, PPOTrainer) if trainer_name == "ppo" else (RLOOConfig, RLOOTrainer)
-    )
-    extra = {"rloo_k": 2} if trainer_name == "rloo" else {}
+    common = {
+        "max_steps": updates,
+        "per_device_train_batch_size": 8,
+        "learning_rate": 1e-4,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": save_steps,
+        "save_total_limit": 1,
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": seed,
+        "disable_tqdm": True,
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        args = config_class(
-            output_dir=tmp,
-            max_steps=updates,
-            per_device_train_batch_size=8,
-            num_mini_batches=2,
-            num_ppo_epochs=1,
-            response_length=8,
-            learning_rate=1e-4,
-            logging_steps=1,
-            save_strategy="steps",
-            save_steps=save_steps,
-            save_total_limit=1,
-            num_sample_generations=0,
-            report_to="none",
-            use_cpu=True,
-            seed=seed,
-            disable_tqdm=True,
-            **extra,
-        )
-        trainer = trainer_class(
-            model=kit.load_model("llama-sft"),
-            processing_class=kit.load_tokenizer(),
-            args=args,
-            train_dataset=kit.prompt_dataset("train", n=512),
-            reward_funcs=true_reward,
-            callbacks=[Probe()],
-        )
+        if trainer_name == "reward":
+            trainer = RewardTrainer(
+                model=str(kit.model_path("llama-sft")),
+                args=RewardConfig(output_dir=tmp, max_length=64, **common),
+                train_dataset=kit.preference_dataset("train"),
+                callbacks=[Probe()],
+            )
+        else:
+            config_class, trainer_class = (
+                (PPOConfig, PPOTrainer) if trainer_name == "ppo" else (RLOOConfig, RLOOTrainer)
+            )
+            extra = {"rloo_k": 2} if trainer_name == "rloo" else {}
+            args = config_class(
+                output_dir=tmp,
+                num_mini_batches=2,
+                num_ppo_epochs=1,
+                response_length=8,
+                num_sample_generations=0,
+                **common,
+                **extra,
+            )
+            trainer = trainer_class(
+                model=kit.load_model("llama-sft"),
+                processing_class=kit.load_tokenizer(),
+                args=args,
+                train_dataset=kit.prompt_dataset("train", n=512),
+                reward_funcs=true_reward,
+                callbacks=[Probe()],
+            )
         trainer.remove_callback(PrinterCallback)  # no per-update console dump
         trainer.train()
     return {"rss_mib": samples, "seconds_per_update": times}
@@ -106,14 +126,20 @@ def summarize(rss: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainer", choices=["ppo", "rloo"], default="ppo")
+    parser.add_argument("--trainer", choices=["ppo", "rloo", "reward"], default="ppo")
     parser.add_argument("--updates", type=int, default=1000)
     parser.add_argument("--save-steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--tag", default="", help="suffix of the result file's name (e.g. the machine: cpu)")
+    parser.add_argument("--progress", type=int, default=0, help="print the RSS every N updates (0: never)")
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     start = time.time()
-    result = run(args.trainer, args.updates, args.save_steps, args.seed)
+    result = run(args.trainer, args.updates, args.save_steps, args.seed, args.progress)
     summary = summarize(result["rss_mib"])
     report = {
         "trainer": args.trainer,
@@ -122,6 +148,7 @@ def main() -> None:
         **summary,
         "median_seconds_per_update": statistics.median(result["seconds_per_update"]),
         "wall_seconds": time.time() - start,
+        "threads": args.threads,
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -131,7 +158,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"long_run_memory_{args.trainer}.json"
+    path = out / f"long_run_memory_{args.trainer}{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(report, indent=1))
     print(
         f"{args.trainer}: {args.updates} updates, peak RSS first half {summary['first_half_peak_mib']:.1f} MiB, "

@@ -199,6 +199,14 @@ def table_learning_vs_trl() -> str:
     return text
 
 
+#: How the long-run tables and plot name each trainer.
+TRAINER_NAMES = {"ppo": "PPO", "rloo": "RLOO", "reward": "Reward"}
+
+
+def _trainer_name(name: str) -> str:
+    return TRAINER_NAMES.get(name, name)
+
+
 def _long_runs() -> list[tuple[str, dict[str, Any]]]:
     """(file name, result) of every long_run_memory_*.json (one per trainer and tag)."""
     return [
@@ -218,7 +226,7 @@ def table_long_run_memory() -> str:
     ]
     for name, d in runs:
         rows.append(
-            f"| `{name}` | {d['trainer'].upper()} | {d.get('machine', {}).get('cpus', 'n/a')} | {d['updates']} | "
+            f"| `{name}` | {_trainer_name(d['trainer'])} | {d.get('machine', {}).get('cpus', 'n/a')} | {d['updates']} | "
             f"{d['save_steps']} | {d['first_half_peak_mib']:.1f} | {d['second_half_peak_mib']:.1f} | "
             f"{d['ratio']:.4f} | {d['median_seconds_per_update']:.3f} |"
         )
@@ -329,7 +337,9 @@ def plot_long_run_memory(plt: Any, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 3.4))
     for name, d in runs:
-        ax.plot(range(1, len(d["rss_mib"]) + 1), d["rss_mib"], label=f"{d['trainer'].upper()} ({name})")
+        ax.plot(
+            range(1, len(d["rss_mib"]) + 1), d["rss_mib"], label=f"{_trainer_name(d['trainer'])} ({name})"
+        )
     ax.set_xlabel("update")
     ax.set_ylabel("RSS MiB")
     ax.set_title("Resident memory over a long run (offline kit)", fontsize=10)
