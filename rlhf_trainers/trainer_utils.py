@@ -117,7 +117,10 @@ class ReliabilityArguments:
             "help": "An optimizer step whose gradients hold NaN or inf is skipped (weights and optimizer state "
             "untouched) and counted in train/nonfinite_steps_skipped; at most this many consecutive steps are "
             "skipped, the next non-finite one stops training with an error naming the likely causes. 0 stops "
-            "at the first one. (Not applied under DeepSpeed, whose engine owns the step.)"
+            "at the first one. (Not applied under DeepSpeed, whose engine owns the step.) With gradient "
+            "clipping on (`max_grad_norm > 0`) a finite clipping norm proves the gradients finite, so the "
+            "check costs nothing more; without it each gradient is summed once (and scanned entry by entry "
+            "only if its sum is not finite)."
         },
     )
 

@@ -1,10 +1,52 @@
-"""Shared fixtures: the offline kit (:mod:`rlhf_trainers.testing`)."""
+"""Shared fixtures (the offline kit, :mod:`rlhf_trainers.testing`) and how the suite runs in parallel.
+
+The README's test command runs the suite on ``pytest-xdist`` workers (``-n auto``, at most
+:data:`MAX_WORKERS`; ``-n 0`` runs it in one process). Each worker, and every process a test starts,
+runs torch on one thread: the kit's models are far too small to gain from a second one, and two
+workers with two threads each on two cores would only wait for each other.
+
+Tests that share an expensive module- or class-scoped fixture (a trained model, a distributed run whose
+results several tests check) stay on one worker (``--dist loadgroup``, one group per module), so the
+fixture is computed once; all other tests are spread one by one.
+"""
 
 from __future__ import annotations
+
+import os
+
+# Before torch is imported anywhere (workers and the subprocesses they start inherit it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
 from rlhf_trainers.testing import OfflineKit, get_kit
+
+#: Upper bound of ``-n auto``: each worker holds torch and a few models (~0.5-1 GiB).
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per CPU this process may use, at most :data:`MAX_WORKERS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep each module whose tests share a module- or class-scoped fixture on one xdist worker."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = any(
+            defs[-1].scope in ("module", "class")
+            for name in item.fixturenames
+            if (defs := info.name2fixturedefs.get(name))
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session")

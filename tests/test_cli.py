@@ -13,11 +13,13 @@ from rlhf_trainers.cli import main
 
 def test_import_is_fast_and_does_not_pull_in_heavy_libraries():
     code = (
-        "import sys, time; t = time.perf_counter(); import rlhf_trainers; t = time.perf_counter() - t; "
+        "import sys, time; t = time.process_time(); import rlhf_trainers; t = time.process_time() - t; "
         "heavy = [m for m in ('transformers', 'datasets', 'accelerate', 'peft', 'deepspeed') if m in sys.modules]; "
         "print(t, ','.join(heavy))"
     )
-    # The first run may pay for cold file caches; the budget in the issue is "well under 5 s".
+    # The first run may pay for cold file caches; the budget in the issue is "well under 5 s". CPU time,
+    # not wall time: the suite runs on parallel workers, and a busy machine stretches the wall clock
+    # (9 s seen under load for an import that takes 1.9 s of CPU).
     runs = [
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         for _ in range(2)
