@@ -40,8 +40,8 @@ TIME_KEYS = (
 )
 
 
-def _run(kind: str, out: Path, mode: str, step: int | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), kind, str(out), mode] + ([str(step)] if step else [])
+def _run(kind: str, out: Path, mode: str, step: int | None = None, *how: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPT), kind, str(out), mode] + ([str(step)] if step else []) + list(how)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -72,6 +72,16 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+#: Per trainer, a second interruption besides SIGTERM mid-update: (phase, signal, update it arrives in,
+#: the update after which training stops). A signal while checkpoint-2 is written lets that save finish;
+#: it is acted on at the end of the next update, which then writes its own checkpoint.
+OTHER_INTERRUPTION = {
+    "ppo": ("rollout", "INT", 3, 3),
+    "rloo": ("save", "TERM", 2, 3),
+    "reward": ("save", "INT", 2, 3),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ppo", "rloo", "reward"])
 def test_sigkill_while_saving_and_sigterm_mid_update_resume_like_an_uninterrupted_run(kind, tmp_path):
@@ -97,7 +107,21 @@ def test_sigkill_while_saving_and_sigterm_mid_update_resume_like_an_uninterrupte
     assert result == {"rank": 0, "global_step": 3, "interrupted": True, "world_size": 1}
     assert "SIGTERM received" in proc.stderr
     assert (stopped / "checkpoint-3" / "trainer_state.json").is_file()
-    _assert_same_steps(full, stopped, [3])  # (resuming after a signal: the DDP test below)
+    _assert_same_steps(full, stopped, [3])
+
+    # SIGINT (Ctrl-C) during a rollout, or a signal while a checkpoint is being written: the same clean
+    # stop after the update, a complete checkpoint of it, and a resume that logs what the full run did.
+    phase, signame, at, stops_after = OTHER_INTERRUPTION[kind]
+    other = tmp_path / f"{phase}-{signame}"
+    proc = _run(kind, other, "signal", at, phase, signame)
+    _ok(proc)
+    result = json.loads((other / "result-rank0.json").read_text())
+    assert (result["global_step"], result["interrupted"]) == (stops_after, True)
+    assert f"SIG{signame} received" in proc.stderr
+    assert get_last_checkpoint(str(other)) == str(other / f"checkpoint-{stops_after}")
+    assert not list(other.glob(f"{STAGING_PREFIX}*"))
+    _ok(_run(kind, other, "resume"))
+    _assert_same_steps(full, other, [stops_after, 4])
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """One small training run on the offline kit, for tests/test_reliability.py (a fresh process per run).
 
-    python reliability_run.py TRAINER OUTPUT_DIR MODE [STEP]
+    python reliability_run.py TRAINER OUTPUT_DIR MODE [STEP [PHASE SIGNAL]]
 
 TRAINER is ppo, rloo or reward. MODE is:
 
@@ -9,7 +9,10 @@ TRAINER is ppo, rloo or reward. MODE is:
   STEP (after the weights and optimizer are written, before the RNG and trainer state are);
 - ``signal``: the process sends itself SIGTERM during the update STEP (from inside the loss) and must
   return from ``train()`` cleanly with that step's checkpoint written; under ``accelerate launch`` only
-  rank 1 sends it, and every rank must stop after the same step;
+  rank 1 sends it, and every rank must stop after the same step. ``signal STEP PHASE SIGNAL`` picks the
+  moment and the signal: PHASE ``update`` (the default), ``rollout`` (inside the rollout of update STEP;
+  PPO/RLOO) or ``save`` (while the checkpoint of update STEP is being written), SIGNAL ``TERM`` (the
+  default) or ``INT`` (what Ctrl-C sends);
 - ``resume``: ``train(resume_from_checkpoint=True)`` in OUTPUT_DIR.
 
 Each mode that returns writes ``OUTPUT_DIR/log_history.json`` (``trainer.state.log_history``, rank 0)
@@ -74,6 +77,8 @@ def build(kind: str, output_dir: str):
 def main() -> None:
     kind, output_dir, mode = sys.argv[1:4]
     step = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    phase, signame = (sys.argv[5], sys.argv[6]) if len(sys.argv) > 6 else ("update", "TERM")
+    sig = getattr(signal, f"SIG{signame}")
     trainer = build(kind, output_dir)
     if mode == "kill-in-save":
         save_rng = trainer._save_rng_state
@@ -84,7 +89,26 @@ def main() -> None:
             return save_rng(folder)
 
         trainer._save_rng_state = killing_save_rng_state
-    if mode == "signal":
+    if mode == "signal" and phase == "rollout":
+        rollout = trainer.rollout
+
+        def signalling_rollout(*args, **kwargs):
+            if trainer.state.global_step == step - 1 and not getattr(trainer, "_sent", False):
+                trainer._sent = True
+                os.kill(os.getpid(), sig)
+            return rollout(*args, **kwargs)
+
+        trainer.rollout = signalling_rollout
+    if mode == "signal" and phase == "save":
+        save_rng = trainer._save_rng_state
+
+        def signalling_save_rng_state(folder):
+            if trainer.state.global_step == step:
+                os.kill(os.getpid(), sig)
+            return save_rng(folder)
+
+        trainer._save_rng_state = signalling_save_rng_state
+    if mode == "signal" and phase == "update":
         compute = trainer.compute_loss if kind == "reward" else trainer.compute_policy_loss
 
         def signalling(*args, **kwargs):
@@ -92,7 +116,7 @@ def main() -> None:
             last_rank = trainer.accelerator.process_index == trainer.accelerator.num_processes - 1
             if trainer.state.global_step == step - 1 and last_rank and not getattr(trainer, "_sent", False):
                 trainer._sent = True
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), sig)
             return compute(*args, **kwargs)
 
         if kind == "reward":
