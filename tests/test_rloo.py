@@ -794,3 +794,21 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
         assert len(grads_t) == len(grads_f) > 0
         for a, b in zip(grads_t, grads_f, strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_the_unwrapped_model_is_cached_per_wrapper(kit, tmp_path, monkeypatch):
+    """The policy property unwraps once per wrapper object (accelerate's unwrap_model reads package
+    metadata on every call), and a new wrapper (as train() makes under DDP/DeepSpeed) is unwrapped anew."""
+    from rlhf_trainers.onpolicy import PolicyAndValue
+
+    trainer = _trainer(kit, tmp_path)
+    calls = []
+    unwrap = trainer.accelerator.unwrap_model
+    monkeypatch.setattr(
+        trainer.accelerator, "unwrap_model", lambda m, *a, **k: calls.append(m) or unwrap(m, *a, **k)
+    )
+    first = trainer.policy
+    assert trainer.policy is first and trainer.value_model is None and len(calls) <= 1
+    other = PolicyAndValue(kit.load_model("llama-sft"))
+    trainer.model_wrapped = other
+    assert trainer.policy is other.policy and calls[-1] is other
