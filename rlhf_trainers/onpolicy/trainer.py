@@ -706,28 +706,24 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         first = F.first_true_indices(hits)
         return torch.where(first < R, first + 1, torch.full_like(first, R))
 
-    def _logprobs(self, logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    def _logprob_options(self) -> dict[str, Any]:
+        """Temperature, chunking and precision of every log-prob computation of the engine."""
         args = self.args
-        return F.logprobs_from_logits(
-            logits,
-            response,
-            args.temperature,
-            chunk_size=args.logprob_chunk_size,
-            compute_dtype=torch.float32 if args.logprobs_in_fp32 else None,
-        )
+        return {
+            "temperature": args.temperature,
+            "chunk_size": args.logprob_chunk_size,
+            "compute_dtype": torch.float32 if args.logprobs_in_fp32 else None,
+        }
+
+    def _logprobs(self, logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+        return F.logprobs_from_logits(logits, response, **self._logprob_options())
 
     def _logprobs_and_entropy(
         self, logits: torch.Tensor, response: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_logprobs` and the float32 entropy (no gradient) in one chunked pass over the logits."""
-        args = self.args
         return F.logprobs_and_entropy_from_logits(
-            logits,
-            response,
-            args.temperature,
-            chunk_size=args.logprob_chunk_size,
-            compute_dtype=torch.float32 if args.logprobs_in_fp32 else None,
-            entropy_dtype=torch.float32,
+            logits, response, **self._logprob_options(), entropy_dtype=torch.float32
         )
 
     def _sequence_inputs(
