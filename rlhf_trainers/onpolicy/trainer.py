@@ -42,7 +42,7 @@ from ..models import (
 )
 from ..optim import TFStyleAdam
 from ..rewards import RewardSources
-from ..trainer_utils import AtomicCheckpointMixin, reliability_callback
+from ..trainer_utils import AtomicCheckpointMixin, apply_host_memory_settings, reliability_callback
 from .config import OnPolicyConfig
 
 if TYPE_CHECKING:
@@ -1177,6 +1177,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             resume_from_checkpoint = None
         self.is_in_train = True
         self.interrupted = False
+        apply_host_memory_settings(self)
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
             self._enable_gradient_checkpointing()
         if resume_from_checkpoint is not None and not self.is_deepspeed_enabled:

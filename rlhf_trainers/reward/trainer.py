@@ -27,7 +27,12 @@ from ..models import (
     write_reward_normalization,
 )
 from ..rewards import Prompt, compute_reward_normalization
-from ..trainer_utils import AtomicCheckpointMixin, EvaluateBeforeTrainMixin, reliability_callback
+from ..trainer_utils import (
+    AtomicCheckpointMixin,
+    EvaluateBeforeTrainMixin,
+    apply_host_memory_settings,
+    reliability_callback,
+)
 from .config import RewardConfig
 
 if TYPE_CHECKING:
@@ -396,6 +401,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
             self.normalize_rewards()
         self._prepare_model_for_training()
         self.interrupted = False
+        apply_host_memory_settings(self)
         output = super().train(*args, **kwargs)
         if when in ("after", "before_and_after"):
             self.normalize_rewards()

@@ -1,0 +1,121 @@
+"""``reuse_host_memory``: freed tensor memory stays in the process, so re-allocating a large tensor costs no
+page faults (glibc only), and every trainer applies it at ``train()`` on CPU unless told not to."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rlhf_trainers.trainer_utils as tu
+from rlhf_trainers import RewardConfig, RLOOConfig
+
+glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or "glibc" not in " ".join(__import__("platform").libc_ver()),
+    reason="mallopt tuning applies to glibc's malloc only",
+)
+
+# A fresh interpreter (the setting is process-wide and permanent): allocate and free a 64 MiB tensor, then
+# count the minor page faults of allocating and writing it again.
+_PROBE = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from rlhf_trainers.trainer_utils import reuse_freed_host_memory
+
+    applied = reuse_freed_host_memory() if sys.argv[1] == "reuse" else False
+    n = 16 * 2**20  # 64 MiB of float32, above glibc's largest mmap threshold (32 MiB)
+    torch.empty(n).fill_(1.0)  # allocated and freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.empty(n)
+    x.fill_(2.0)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    print(json.dumps({"applied": applied, "faults": faults}))
+    """
+)
+
+
+def _probe(mode: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True, timeout=120
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@glibc
+def test_a_reallocated_large_tensor_faults_its_pages_in_again_only_without_reuse():
+    default = _probe("default")
+    reuse = _probe("reuse")
+    pages = 64 * 2**20 // 4096
+    # glibc's default: the freed block was unmapped, so every page of the new one faults in again.
+    assert default["faults"] >= pages // 2, default
+    assert reuse["applied"] is True
+    assert reuse["faults"] < pages // 20, reuse
+
+
+class _Args:
+    def __init__(self, device: str, reuse: bool) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.reuse_host_memory = reuse
+
+
+class _Trainer:
+    def __init__(self, device: str, reuse: bool) -> None:
+        self.args = _Args(device, reuse)
+
+
+@pytest.mark.parametrize(
+    ("device", "reuse", "expected"), [("cpu", True, 1), ("cpu", False, 0), ("cuda", True, 0)]
+)
+def test_applied_only_on_cpu_and_only_when_asked(monkeypatch, device, reuse, expected):
+    calls = []
+    monkeypatch.setattr(tu, "reuse_freed_host_memory", lambda: calls.append(1) or True)
+    tu.apply_host_memory_settings(_Trainer(device, reuse))
+    assert len(calls) == expected
+
+
+def test_every_config_has_the_field_on_by_default(tmp_path):
+    for cls in (RLOOConfig, RewardConfig):
+        config = cls(output_dir=str(tmp_path), report_to="none")
+        assert config.reuse_host_memory is True
+        assert (
+            cls(output_dir=str(tmp_path), report_to="none", reuse_host_memory=False).reuse_host_memory
+            is False
+        )
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_train_applies_the_setting(kit, tmp_path, monkeypatch, reuse):
+    from rlhf_trainers import RLOOTrainer
+
+    calls = []
+    monkeypatch.setattr(tu, "reuse_freed_host_memory", lambda: calls.append(1) or True)
+    from rlhf_trainers.testing import true_reward
+
+    config = RLOOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        rloo_k=2,
+        response_length=4,
+        max_steps=1,
+        save_strategy="no",
+        num_sample_generations=0,
+        disable_tqdm=True,
+        reuse_host_memory=reuse,
+    )
+    trainer = RLOOTrainer(
+        model=kit.load_model("llama-sft"),
+        processing_class=kit.load_tokenizer(),
+        args=config,
+        reward_funcs=true_reward,
+        train_dataset=kit.prompt_dataset("train", n=8),
+    )
+    trainer.train()
+    assert len(calls) == (1 if reuse else 0)
