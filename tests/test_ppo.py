@@ -774,7 +774,9 @@ def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(k
     from rlhf_trainers.onpolicy import trainer as engine
 
     R = 10
-    trainer = _trainer(kit, tmp_path, stop_token="eos", response_length=R, temperature=0.7)
+    trainer = _trainer(
+        kit, tmp_path, stop_token="eos", response_length=R, temperature=0.7, rollout_logprobs="forward"
+    )
     eos = trainer.processing_class.eos_token_id
 
     def generate(query, query_mask, with_logprobs=False):

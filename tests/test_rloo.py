@@ -741,7 +741,8 @@ def _early_stopping_generation(trainer, width: int):
         g = torch.Generator().manual_seed(int(query.sum()))
         response = torch.randint(10, 40, (query.shape[0], width), generator=g)
         response[torch.arange(query.shape[0]), 1 + torch.arange(query.shape[0]) % 4] = eos
-        return response, (torch.zeros(response.shape) if with_logprobs else None)
+        zeros = torch.zeros(response.shape)
+        return response, ({"logprobs": zeros, "entropy": zeros} if with_logprobs else None)
 
     return generate
 
@@ -754,7 +755,14 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
 
     R = 10
     trainer = _trainer(
-        kit, tmp_path, stop_token="eos", response_length=R, temperature=0.7, rloo_k=2, train_n=64
+        kit,
+        tmp_path,
+        stop_token="eos",
+        response_length=R,
+        temperature=0.7,
+        rloo_k=2,
+        train_n=64,
+        rollout_logprobs="forward",  # the rollout's policy forward pass is one of the trimmed ones
     )
     trainer._generate = _early_stopping_generation(trainer, R)
     batch = trainer._prompt_batch(0)

@@ -14,6 +14,8 @@ from ..rewards import REWARD_ERROR_MODES
 from ..trainer_utils import ReliabilityArguments
 
 STOP_TOKENS = ("eos",)
+GENERATION_LOOPS = ("builtin", "transformers")
+ROLLOUT_LOGPROBS = ("auto", "forward", "generation")
 
 
 @dataclass
@@ -88,6 +90,31 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     truncate_after: int = field(
         default=0,
         metadata={"help": "Only stop tokens at response index >= this count end a response (seed: 16)."},
+    )
+    generation_loop: str = field(
+        default="builtin",
+        metadata={
+            "help": "'builtin': the package's sampling loop (rlhf_trainers.sampling), which samples from exactly "
+            "softmax(logits / temperature) and can return each token's log-prob (see rollout_logprobs). "
+            "'transformers': model.generate(), for architectures the builtin loop cannot drive (it needs a "
+            "forward with position_ids, past_key_values and logits_to_keep); the model's own "
+            "generation_config is set aside during the call, so its sampling settings (e.g. a "
+            "repetition_penalty from the Hub) do not change the distribution. Multi-process ZeRO-3 without "
+            "ds3_gather_for_generation always uses generate(synced_gpus=True)."
+        },
+    )
+    rollout_logprobs: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the rollout's log-probs (the PPO ratio's denominator, the KL to the reference) and "
+            "the entropy metric come from. 'forward': a separate no-grad forward pass of the policy over "
+            "prompt + response, the same computation as the training pass (ratio exactly 1 at the first "
+            "mini-batch in any precision). 'generation': the sampling loop's own logits (one policy forward "
+            "pass less per rollout; in float32 equal to 'forward' up to rounding, about 1e-6, while under "
+            "bf16/fp16 the cached decode and the full forward disagree, the RLOO blog's 'dark side'). "
+            "'auto': 'generation' when the policy's weights and arithmetic are float32 (no bf16/fp16), "
+            "dropout is off and no truncated importance sampling compares the two, else 'forward'."
+        },
     )
     missing_eos_penalty: float | None = field(
         default=None,
@@ -306,6 +333,18 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"truncate_after={self.truncate_after} must be < response_length={self.response_length}: no stop "
                 "token could ever count."
+            )
+        if self.generation_loop not in GENERATION_LOOPS:
+            raise ValueError(f"generation_loop={self.generation_loop!r}: expected one of {GENERATION_LOOPS}.")
+        if self.rollout_logprobs not in ROLLOUT_LOGPROBS:
+            raise ValueError(
+                f"rollout_logprobs={self.rollout_logprobs!r}: expected one of {ROLLOUT_LOGPROBS}."
+            )
+        if self.rollout_logprobs == "generation" and not self.disable_dropout:
+            raise ValueError(
+                "rollout_logprobs='generation' with disable_dropout=False: generation runs without dropout "
+                "and the training pass with it, so the rollout log-probs would not be the training policy's. "
+                "Use rollout_logprobs='forward' (or 'auto'), or disable_dropout=True."
             )
         if self.missing_eos_penalty is not None and self.rejection_penalty is not None:
             raise ValueError(

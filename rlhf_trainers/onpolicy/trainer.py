@@ -33,6 +33,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from .. import functional as F
 from ..data import PromptCollator, PromptTokenizationStats, tokenize_prompts
 from ..models import (
+    _base,
     _is_peft_model,
     check_one_label,
     check_onpolicy_models,
@@ -42,6 +43,7 @@ from ..models import (
 )
 from ..optim import TFStyleAdam
 from ..rewards import RewardSources
+from ..sampling import sample_completions
 from ..trainer_utils import AtomicCheckpointMixin, apply_host_memory_settings, reliability_callback
 from .config import OnPolicyConfig
 
@@ -624,20 +626,104 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             finally:
                 offload._register_deepspeed_module(offload.module)
 
+    def _synced_generation(self) -> bool:
+        """Multi-process ZeRO-3 without gathering the weights: ranks must step generation together."""
+        return bool(
+            self.is_deepspeed_enabled
+            and not self.args.ds3_gather_for_generation
+            and self.accelerator.num_processes > 1
+        )
+
+    @property
+    def logprobs_from_generation(self) -> bool:
+        """Whether the rollout takes its log-probs and entropy from the sampling loop
+        (``rollout_logprobs``, with 'auto' resolved against the policy's dtype and the precision)."""
+        cached = getattr(self, "_logprobs_from_generation", None)
+        if cached is None:
+            args = self.args
+            if args.rollout_logprobs == "auto":
+                float32 = all(
+                    p.dtype == torch.float32 for p in self.policy.parameters() if p.is_floating_point()
+                )
+                cached = bool(
+                    float32
+                    and not (args.bf16 or args.fp16)
+                    and args.disable_dropout
+                    and args.generation_loop == "builtin"
+                    and not self._synced_generation()
+                    and not self.needs_generation_logprobs
+                )
+            else:
+                cached = args.rollout_logprobs == "generation"
+            self._logprobs_from_generation = cached
+        return cached
+
     @torch.no_grad()
     def _generate(
         self, query: torch.Tensor, query_mask: torch.Tensor, with_logprobs: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sample (B, response_length) response ids: temperature, top-k 0, top-p 1; rows end at a stop
-        token only when generation may stop there (else fixed length, truncated afterwards).
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """Sample (B, response_length) response ids from ``softmax(logits / temperature)``; rows end at a
+        stop token only when generation may stop there (else fixed length, truncated afterwards).
 
-        With ``with_logprobs`` also the log-probabilities (B, response_length) of the sampled tokens as
-        the generation computed them (its own logits / temperature, in the generation's precision): what
-        a truncated importance-sampling correction compares the training forward pass with."""
+        With ``with_logprobs`` also ``{"logprobs", "entropy"}`` (B, response_length) float32: the sampled
+        tokens' log-probabilities and the entropy of each step's distribution, as the generation computed
+        them (its own logits / temperature, in the generation's precision; 0 after a stop token)."""
+        args = self.args
+        stop_in_generation = self._stop_ids and args.truncate_after == 0
+        stop_ids = list(self._stop_ids) if stop_in_generation else []
+        pad_id = self.processing_class.pad_token_id
+        policy = self.policy
+        was_training = policy.training
+        policy.eval()
+        synced = self._synced_generation()
+        extras: dict[str, torch.Tensor] | None = None
+        try:
+            with self._generation_context():
+                if args.generation_loop == "builtin" and not synced:
+                    samples = sample_completions(
+                        policy,
+                        query,
+                        query_mask,
+                        max_new_tokens=args.response_length,
+                        temperature=args.temperature,
+                        pad_token_id=pad_id,
+                        stop_token_ids=stop_ids,
+                        return_logprobs=with_logprobs,
+                    )
+                    response = samples.tokens
+                    if with_logprobs:
+                        extras = {"logprobs": samples.logprobs, "entropy": samples.entropy}
+                else:
+                    response, extras = self._hf_generate(
+                        policy, query, query_mask, stop_ids, with_logprobs, synced
+                    )
+        finally:
+            policy.train(was_training)
+        missing = args.response_length - response.shape[1]
+        if missing > 0:
+            pad = torch.full(
+                (response.shape[0], missing), pad_id, dtype=response.dtype, device=response.device
+            )
+            response = torch.cat([response, pad], dim=1)
+            if extras is not None:
+                extras = {
+                    k: torch.cat([v, torch.zeros_like(pad, dtype=v.dtype)], dim=1) for k, v in extras.items()
+                }
+        return response, extras
+
+    def _hf_generate(
+        self,
+        policy: nn.Module,
+        query: torch.Tensor,
+        query_mask: torch.Tensor,
+        stop_ids: list[int],
+        with_logprobs: bool,
+        synced: bool,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """``generate()`` with top-k 0 / top-p 1 and nothing from the model's ``generation_config``."""
         from transformers import GenerationConfig
 
         args = self.args
-        stop_in_generation = self._stop_ids and args.truncate_after == 0
         config = GenerationConfig(
             max_new_tokens=args.response_length,
             do_sample=True,
@@ -647,51 +733,41 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             pad_token_id=self.processing_class.pad_token_id,
             # [] (not None, which generate() would fill from the model's generation config): sample the
             # full length, with EOS a token like any other (the seed's fixed-length responses).
-            eos_token_id=self._stop_ids if stop_in_generation else [],
+            eos_token_id=stop_ids,
             use_cache=True,
             return_dict_in_generate=with_logprobs,
             output_logits=with_logprobs,
         )
-        policy = self.policy
-        was_training = policy.training
-        policy.eval()
-        synced = bool(
-            self.is_deepspeed_enabled
-            and not self.args.ds3_gather_for_generation
-            and self.accelerator.num_processes > 1
-        )
+        # generate() fills what `config` leaves unset (repetition_penalty, no_repeat_ngram_size,
+        # suppress_tokens, ...) from the model's own generation_config: set a blank one aside meanwhile.
+        base = _base(policy)
+        saved = getattr(base, "generation_config", None)
+        if saved is not None:
+            base.generation_config = GenerationConfig()
         try:
-            with self._generation_context():
-                out = policy.generate(
-                    input_ids=query,
-                    attention_mask=query_mask,
-                    generation_config=config,
-                    synced_gpus=synced,
-                )
+            out = policy.generate(
+                input_ids=query, attention_mask=query_mask, generation_config=config, synced_gpus=synced
+            )
         finally:
-            policy.train(was_training)
+            if saved is not None:
+                base.generation_config = saved
         sequences = out.sequences if with_logprobs else out
         response = sequences[:, query.shape[1] :]
-        gen_logprobs = None
-        if with_logprobs:
-            logits = torch.stack(out.logits, dim=1)
-            gen_logprobs = F.logprobs_from_logits(
-                logits, response, args.temperature, compute_dtype=logits.dtype
-            )
-        missing = args.response_length - response.shape[1]
-        if missing > 0:
-            pad = torch.full(
-                (response.shape[0], missing),
-                self.processing_class.pad_token_id,
-                dtype=response.dtype,
-                device=response.device,
-            )
-            response = torch.cat([response, pad], dim=1)
-            if gen_logprobs is not None:
-                gen_logprobs = torch.cat(
-                    [gen_logprobs, torch.zeros_like(pad, dtype=gen_logprobs.dtype)], dim=1
-                )
-        return response, gen_logprobs
+        if not with_logprobs:
+            return response, None
+        logits = torch.stack(out.logits, dim=1)
+        logprobs, entropy = F.logprobs_and_entropy_from_logits(
+            logits, response, args.temperature, compute_dtype=logits.dtype, entropy_dtype=torch.float32
+        )
+        done = torch.zeros_like(response, dtype=torch.bool)
+        if stop_ids:
+            # Positions after a row's stop token (generate pads them): 0, as the builtin loop.
+            hits = torch.isin(response, torch.tensor(stop_ids, device=response.device))
+            done[:, 1:] = hits.cumsum(1)[:, :-1] > 0
+        return response, {
+            "logprobs": logprobs.float().masked_fill(done, 0.0),
+            "entropy": entropy.masked_fill(done, 0.0),
+        }
 
     def _response_lengths(self, raw: torch.Tensor) -> torch.Tensor:
         """Valid tokens per response: up to and including the first stop token (at index >=
@@ -777,7 +853,8 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
     def rollout(self, batch: dict[str, Any], timings: dict[str, float] | None = None) -> dict[str, Any]:
         """Experience for one update (see :meth:`_rollout`), in the training precision: under ``bf16``/``fp16``
         the same autocast as the training forward pass, so the rollout log-probs are the ones the first
-        training step recomputes (ratio 1)."""
+        training step recomputes (ratio 1; with ``rollout_logprobs='generation'`` up to the rounding of
+        the cached decode)."""
         with torch.no_grad(), self.accelerator.autocast():
             return self._rollout(batch, timings)
 
@@ -787,7 +864,8 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         Returns a dict of (N, ...) tensors, N = prompts x ``completions_per_prompt`` (the k copies of the
         batch concatenated, completion j of prompt i at row j * B + i): ``query``, ``query_mask``,
         ``response`` (truncated, padding after the stop token), ``response_mask``, ``lengths``,
-        ``logprobs`` and ``ref_logprobs`` (training-mode forward passes, logits / temperature), ``kl``
+        ``logprobs`` and ``entropy`` (a training-mode forward pass, logits / temperature, or the sampling
+        loop's own logits: :attr:`logprobs_from_generation`), ``ref_logprobs``, ``kl``
         (per token, masked), ``scores`` (after scaling, clipping and penalties), ``raw_scores``,
         ``found_stop``, ``per_source`` scores, and ``values`` when there is a value model; plus the
         decoded ``prompts``/``completions``.
@@ -807,9 +885,10 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         for s in range(0, N, step):
             q, qm = query[s : s + step], query_mask[s : s + step]
             t0 = time.perf_counter()
-            raw, gen_logprobs = self._generate(q, qm, with_logprobs=self.needs_generation_logprobs)
-            if gen_logprobs is not None:
-                parts["gen_logprobs"].append(gen_logprobs.float())
+            from_generation = self.logprobs_from_generation
+            raw, gen = self._generate(q, qm, with_logprobs=self.needs_generation_logprobs or from_generation)
+            if gen is not None and self.needs_generation_logprobs:
+                parts["gen_logprobs"].append(gen["logprobs"].float())
             timings["timing/generate"] += time.perf_counter() - t0
             lengths = self._response_lengths(raw)
             R = raw.shape[1]
@@ -821,13 +900,18 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             start, end = _trim_bounds(qm, rmask)
             tq, tqm, tr, trm = q[:, start:], qm[:, start:], response[:, :end], rmask[:, :end]
             ids, mask, pos = self._sequence_inputs(tq, tqm, tr, trm)
-            t0 = time.perf_counter()
-            logits = policy_logits(self.policy, ids, mask, pos, end + 1)[:, :-1]
-            logprobs, entropy = self._logprobs_and_entropy(logits, tr)
-            parts["logprobs"].append(_pad_columns(logprobs, R))
-            parts["entropy"].append(_pad_columns(entropy, R))
-            del logits
-            timings["timing/policy"] += time.perf_counter() - t0
+            if from_generation and gen is not None:
+                # The sampling loop's own log-probs (rollout_logprobs): no policy forward pass.
+                parts["logprobs"].append(gen["logprobs"].float().masked_fill(~rmask, 0.0))
+                parts["entropy"].append(gen["entropy"].float().masked_fill(~rmask, 0.0))
+            else:
+                t0 = time.perf_counter()
+                logits = policy_logits(self.policy, ids, mask, pos, end + 1)[:, :-1]
+                logprobs, entropy = self._logprobs_and_entropy(logits, tr)
+                parts["logprobs"].append(_pad_columns(logprobs, R))
+                parts["entropy"].append(_pad_columns(entropy, R))
+                del logits
+                timings["timing/policy"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             parts["ref_logprobs"].append(_pad_columns(self._reference_logprobs(ids, mask, pos, tr), R))
             timings["timing/ref"] += time.perf_counter() - t0

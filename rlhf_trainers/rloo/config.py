@@ -60,3 +60,9 @@ class RLOOConfig(OnPolicyConfig):
             raise ValueError(
                 f"truncated_is_cap={self.truncated_is_cap}: expected a cap >= 1 (e.g. 2.0), or None."
             )
+        if self.truncated_is_cap is not None and self.rollout_logprobs == "generation":
+            raise ValueError(
+                "truncated_is_cap with rollout_logprobs='generation': the correction weighs the training "
+                "forward pass's log-probs against the generation's, which would then be the same numbers "
+                "(every weight 1). Use rollout_logprobs='forward' (or 'auto', which picks it here)."
+            )

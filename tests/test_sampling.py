@@ -1,0 +1,214 @@
+"""The builtin sampling loop (``rlhf_trainers.sampling``), ``generation_loop`` and ``rollout_logprobs``.
+
+The loop must draw what ``generate(do_sample=True, top_k=0, top_p=1)`` draws for the same seed, ignore the
+model's ``generation_config.json``, and return the log-probs and entropies the trainer's forward pass
+computes for the same tokens, so the rollout can skip that pass."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from rlhf_trainers import RLOOConfig, RLOOTrainer
+from rlhf_trainers import functional as F
+from rlhf_trainers.onpolicy.trainer import policy_logits
+from rlhf_trainers.sampling import sample_completions
+from rlhf_trainers.testing import true_reward
+
+
+@pytest.fixture(scope="module")
+def policy(kit):
+    return kit.load_model("llama-sft").eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(kit):
+    tok = kit.load_tokenizer()
+    texts = list(kit.prompt_dataset("train", n=8)["prompt"])
+    texts[0] = texts[0] + " " + texts[1]  # rows of different lengths: left padding in the others
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"] == 0).any()
+    return tok, batch["input_ids"], batch["attention_mask"]
+
+
+def _hf(policy, ids, mask, n, temperature, pad, eos):
+    config = GenerationConfig(
+        max_new_tokens=n,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        use_cache=True,
+    )
+    return policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize(("temperature", "stop"), [(1.0, False), (0.7, True)])
+def test_draws_are_those_of_generate_for_the_same_seed(policy, prompts, temperature, stop):
+    tok, ids, mask = prompts
+    eos = [tok.eos_token_id] if stop else []
+    torch.manual_seed(3)
+    expected = _hf(policy, ids, mask, 12, temperature, tok.pad_token_id, eos)
+    torch.manual_seed(3)
+    got = sample_completions(
+        policy,
+        ids,
+        mask,
+        max_new_tokens=12,
+        temperature=temperature,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=eos,
+    )
+    assert torch.equal(got.tokens, expected)
+    assert got.logprobs is None and got.entropy is None
+    if stop:
+        assert (got.tokens == tok.eos_token_id).any()  # some rows stopped: the padding path ran
+
+
+def test_logprobs_and_entropy_are_the_forward_pass_values(policy, prompts):
+    tok, ids, mask = prompts
+    torch.manual_seed(0)
+    s = sample_completions(
+        policy,
+        ids,
+        mask,
+        max_new_tokens=10,
+        temperature=0.7,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=[tok.eos_token_id],
+        return_logprobs=True,
+    )
+    R = s.tokens.shape[1]
+    stopped = torch.isin(s.tokens, torch.tensor([tok.eos_token_id]))
+    after = torch.zeros_like(stopped)
+    after[:, 1:] = stopped.cumsum(1)[:, :-1] > 0
+    assert after.any()
+    rmask = ~after
+    full_mask = torch.cat([mask.bool(), rmask], dim=1)
+    full_ids = torch.cat([ids, s.tokens], dim=1).masked_fill(~full_mask, tok.pad_token_id)
+    with torch.no_grad():
+        logits = policy_logits(
+            policy, full_ids, full_mask.long(), F.position_ids_from_mask(full_mask), R + 1
+        )[:, :-1]
+    logprobs, entropy = F.logprobs_and_entropy_from_logits(logits, s.tokens, 0.7)
+    torch.testing.assert_close(s.logprobs[rmask], logprobs[rmask], atol=1e-5, rtol=0)
+    # The entropy is a logged metric, summed over the vocabulary in another order: float32 rounding.
+    torch.testing.assert_close(s.entropy[rmask], entropy[rmask], atol=1e-4, rtol=0)
+    assert (s.logprobs[after] == 0).all() and (s.entropy[after] == 0).all()
+
+
+def test_bad_arguments(policy, prompts):
+    _, ids, mask = prompts
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sample_completions(policy, ids, mask, max_new_tokens=0, pad_token_id=0)
+    with pytest.raises(ValueError, match="temperature"):
+        sample_completions(policy, ids, mask, max_new_tokens=2, temperature=0.0, pad_token_id=0)
+
+
+# ---- in the trainer ------------------------------------------------------------------------------
+
+
+def _trainer(kit, tmp_path, model=None, **overrides) -> RLOOTrainer:
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "rloo_k": 2,
+        "response_length": 10,
+        "temperature": 0.7,
+        "max_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "num_sample_generations": 0,
+        "disable_tqdm": True,
+    }
+    fields.update(overrides)
+    return RLOOTrainer(
+        model=model if model is not None else kit.load_model("llama-sft"),
+        processing_class=kit.load_tokenizer(),
+        args=RLOOConfig(**fields),
+        reward_funcs=true_reward,
+        train_dataset=kit.prompt_dataset("train", n=16),
+    )
+
+
+def _seeded_rollout(trainer):
+    torch.manual_seed(11)
+    return trainer.rollout(trainer._prompt_batch(0))
+
+
+def test_rollout_from_generation_matches_the_forward_pass(kit, tmp_path):
+    fwd = _trainer(kit, tmp_path, rollout_logprobs="forward")
+    gen = _trainer(kit, tmp_path, rollout_logprobs="generation")
+    assert not fwd.logprobs_from_generation and gen.logprobs_from_generation
+    timings_f, timings_g = defaultdict(float), defaultdict(float)
+    torch.manual_seed(11)
+    a = fwd.rollout(fwd._prompt_batch(0), timings_f)
+    torch.manual_seed(11)
+    b = gen.rollout(gen._prompt_batch(0), timings_g)
+    assert torch.equal(a["response"], b["response"])
+    m = a["response_mask"]
+    assert m.all(1).sum() < m.shape[0]  # some responses stopped early
+    torch.testing.assert_close(b["logprobs"][m], a["logprobs"][m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(b["entropy"][m], a["entropy"][m], atol=1e-4, rtol=0)
+    torch.testing.assert_close(b["kl"], a["kl"], atol=1e-5, rtol=0)
+    assert timings_f["timing/policy"] > 0 and timings_g["timing/policy"] == 0  # the pass was skipped
+
+
+def test_auto_picks_generation_only_where_it_is_exact(kit, tmp_path):
+    assert _trainer(kit, tmp_path).logprobs_from_generation
+    assert not _trainer(kit, tmp_path, truncated_is_cap=2.0).logprobs_from_generation
+    assert not _trainer(kit, tmp_path, generation_loop="transformers").logprobs_from_generation
+    bf16_policy = kit.load_model("llama-sft").to(torch.bfloat16)
+    assert not _trainer(kit, tmp_path, model=bf16_policy).logprobs_from_generation
+    assert not _trainer(kit, tmp_path, disable_dropout=False).logprobs_from_generation
+
+
+@pytest.mark.parametrize("loop", ["builtin", "transformers"])
+def test_the_models_generation_config_does_not_change_the_draws(kit, tmp_path, loop):
+    plain = _trainer(kit, tmp_path, generation_loop=loop)
+    model = kit.load_model("llama-sft")
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.suppress_tokens = [kit.load_tokenizer().eos_token_id]
+    tweaked = _trainer(kit, tmp_path, model=model, generation_loop=loop)
+    a, b = _seeded_rollout(plain), _seeded_rollout(tweaked)
+    assert torch.equal(a["response"], b["response"])
+    assert (b["lengths"] < 10).any()  # EOS was sampled: suppress_tokens did not apply
+    assert tweaked.policy.generation_config.repetition_penalty == 3.0  # set aside, then restored
+    # What the settings would have done to a plain generate() call with the same seed.
+    tok = tweaked.processing_class
+    batch = tweaked._prompt_batch(0)
+    q = batch["input_ids"].repeat(2, 1)
+    qm = batch["attention_mask"].repeat(2, 1)
+    torch.manual_seed(11)
+    leaked = tweaked.policy.generate(
+        input_ids=q,
+        attention_mask=qm,
+        generation_config=GenerationConfig(
+            max_new_tokens=10,
+            do_sample=True,
+            temperature=0.7,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=tok.pad_token_id,
+        ),
+    )[:, q.shape[1] :]
+    assert not torch.equal(leaked, a["response"][:, : leaked.shape[1]])
+
+
+def test_config_errors(tmp_path):
+    base = {"output_dir": str(tmp_path), "report_to": "none"}
+    with pytest.raises(ValueError, match="generation_loop='vllm'"):
+        RLOOConfig(**base, generation_loop="vllm")
+    with pytest.raises(ValueError, match="rollout_logprobs='scores'"):
+        RLOOConfig(**base, rollout_logprobs="scores")
+    with pytest.raises(ValueError, match="disable_dropout=False"):
+        RLOOConfig(**base, rollout_logprobs="generation", disable_dropout=False)
+    with pytest.raises(ValueError, match="truncated_is_cap"):
+        RLOOConfig(**base, rollout_logprobs="generation", truncated_is_cap=2.0)
