@@ -21,11 +21,13 @@ The passes of one update, per completion (``E`` = epochs, ``P`` prompt tokens, `
 ``T = P + L``, "head k" = lm-head on k positions):
 
 ==========  ===========================================================================================
-ours PPO    generate (head L); policy (head L+1); ref (head L+1); values; reward; E x (policy
+ours PPO    generate (head L); policy (head L+1; skipped when the rollout log-probs come from the
+            sampling loop, ``rollout_logprobs``); ref (head L+1); values; reward; E x (policy
             fwd+bwd (head L+1) + value fwd+bwd)
 TRL PPO     generate (head L; its log-probs come from the generation scores); ref (head T: no
             ``logits_to_keep``); values; reward; E x (policy fwd+bwd (head T) + value fwd+bwd)
-ours RLOO   generate (head L); policy (head L+1); ref (head L+1); reward; E x policy fwd+bwd (head L+1)
+ours RLOO   generate (head L); policy (head L+1; skipped as for PPO); ref (head L+1); reward; E x policy
+            fwd+bwd (head L+1)
 TRL RLOO    generate (head L); policy (head L); ref (head L); reward; E x policy fwd+bwd (head L)
 ==========  ===========================================================================================
 
@@ -145,15 +147,19 @@ def update_flops(
     prompt_tokens: float,
     response_length: int,
     epochs: int,
+    policy_forward: bool = True,
 ) -> dict[str, float]:
     """Model FLOPs of one update, per phase and in total (see the module docstring for the passes).
 
-    ``prompt_tokens`` is the mean number of real prompt tokens per completion."""
+    ``prompt_tokens`` is the mean number of real prompt tokens per completion; ``policy_forward=False``
+    leaves out the separate no-grad policy pass (ours, when the sampling loop gives the log-probs)."""
     L = response_length
     T = prompt_tokens + L
     heads = {"L": L, "L+1": L + 1, "T": T}
     out: dict[str, float] = {}
     for phase, model, head, backward in PASSES[(impl, algo)]:
+        if phase == "policy" and not policy_forward:
+            continue
         shape = policy_shape if model == "policy" else reward_shape
         fwd = forward_flops(shape, T, heads[head] if head else 0.0, T) * completions
         total = fwd * 3 * epochs if backward else fwd

@@ -206,6 +206,8 @@ def add_flops(result: dict[str, Any], shapes: dict[str, dict[str, int]], matmul:
         prompt_tokens,
         s["response_length"],
         s["epochs"],
+        # Ours skips the policy pass when its rollout log-probs come from the sampling loop (timed 0).
+        policy_forward=result["phases_median"].get("policy", 0.0) > 0,
     )
     result["model_flops_per_update"] = flops
     result["model_flops_per_sec"] = flops["total"] / result["seconds_per_update_median"]
@@ -312,9 +314,13 @@ def table(report: dict[str, Any]) -> list[str]:
 
 
 UNMATCHED = [
-    "TRL's PPO takes the rollout log-probs from the generation scores (`output_scores`): no separate "
-    "policy forward pass, but the logits of every generated token are kept (batch x response x vocab floats). "
-    "Ours and TRL's RLOO run a separate no-grad policy forward (TRL RLOO through its fused, chunked lm-head).",
+    "Rollout log-probs: TRL's PPO takes them from the generation scores (`output_scores`, which keeps the "
+    "logits of every generated token: batch x response x vocab floats); ours (PPO and RLOO) from its own "
+    "sampling loop, which keeps one float per token (`rollout_logprobs='auto'` picks this in float32); "
+    "TRL's RLOO runs a separate no-grad policy forward (through its fused, chunked lm-head).",
+    "Host memory: ours sets glibc's malloc to keep freed memory in the process (`reuse_host_memory=True`, "
+    "the default on CPU); TRL runs with glibc's defaults. TRL users can get the same effect from the "
+    "environment (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647`).",
     "TRL's PPO computes the full-vocabulary logits of every position (prompt included) in its reference and "
     "training forward passes; ours and TRL's RLOO only those of the response positions (`logits_to_keep`).",
     "Fixed-length responses: ours and TRL's PPO sample EOS like any token and continue (`stop_token=None`); "
@@ -433,7 +439,13 @@ def main() -> None:
     work = Path(args.work_dir).expanduser()
     if args.render:
         path = Path(args.render)
-        write(json.loads(path.read_text()), path.parent, path.stem[len("vs_trl") :])
+        report = json.loads(path.read_text())
+        for r in report["results"]:
+            # Model FLOPs by this version's accounting, where the model folders are still there.
+            folders = {role: work / r["size"] / role for role in ("policy", "reward")}
+            if r.get("matmul_flops_per_s") and all((f / "config.json").is_file() for f in folders.values()):
+                add_flops(r, model_shapes(folders), r["matmul_flops_per_s"])
+        write(report, path.parent, path.stem[len("vs_trl") :])
         return
     if args.prepare:
         print(json.dumps(prepare_assets(work, sizes, args.gguf)))

@@ -904,6 +904,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 # The sampling loop's own log-probs (rollout_logprobs): no policy forward pass.
                 parts["logprobs"].append(gen["logprobs"].float().masked_fill(~rmask, 0.0))
                 parts["entropy"].append(gen["entropy"].float().masked_fill(~rmask, 0.0))
+                timings["timing/policy"] += 0.0  # logged as 0: the pass was skipped
             else:
                 t0 = time.perf_counter()
                 logits = policy_logits(self.policy, ids, mask, pos, end + 1)[:, :-1]
