@@ -133,7 +133,7 @@ class ReliabilityArguments:
             "heap) instead of returning it to the system and page-faulting it in again. Training frees and "
             "re-allocates the same large tensors (embedding gradients, logits, activations) every micro-batch; "
             "with glibc's defaults each one is a fresh mapping whose pages fault in one by one (a 135M-parameter "
-            "PPO update on 2 cores: 25.6 -> 20.5 s, 5.1M -> 1.5M page faults, peak RSS 4 % lower). Process-wide "
+            "PPO update on 2 cores: 25.6 -> 20.5 s, 5.1M -> 1.5M page faults, peak RSS 6470 -> 6215 MiB). Process-wide "
             "and kept after train() (glibc has no undo): resident memory then stays near its high-water mark "
             "instead of shrinking when tensors are freed. Not applied on GPU or with another allocator; False "
             "leaves malloc untouched."

@@ -16,7 +16,6 @@ from rlhf_trainers import RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
 from rlhf_trainers.onpolicy.trainer import policy_logits
 from rlhf_trainers.sampling import sample_completions
-from rlhf_trainers.testing import true_reward
 
 
 @pytest.fixture(scope="module")
@@ -113,29 +112,13 @@ def test_bad_arguments(policy, prompts):
 # ---- in the trainer ------------------------------------------------------------------------------
 
 
-def _trainer(kit, tmp_path, model=None, **overrides) -> RLOOTrainer:
-    fields = {
-        "output_dir": str(tmp_path / "out"),
-        "per_device_train_batch_size": 8,
-        "rloo_k": 2,
-        "response_length": 10,
-        "temperature": 0.7,
-        "max_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "use_cpu": True,
-        "seed": 0,
-        "num_sample_generations": 0,
-        "disable_tqdm": True,
-    }
+def _trainer(kit, tmp_path, model="llama-sft", **overrides) -> RLOOTrainer:
+    """test_rloo's trainer (true reward, 8 completions, CPU) with 10-token responses at temperature 0.7."""
+    from test_rloo import _trainer as rloo_trainer
+
+    fields = {"rloo_k": 2, "response_length": 10, "temperature": 0.7, "max_steps": 1}
     fields.update(overrides)
-    return RLOOTrainer(
-        model=model if model is not None else kit.load_model("llama-sft"),
-        processing_class=kit.load_tokenizer(),
-        args=RLOOConfig(**fields),
-        reward_funcs=true_reward,
-        train_dataset=kit.prompt_dataset("train", n=16),
-    )
+    return rloo_trainer(kit, tmp_path, train_n=16, model=model, **fields)
 
 
 def _seeded_rollout(trainer):
