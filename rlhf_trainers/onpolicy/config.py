@@ -236,6 +236,17 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "help": "Rows of (batch x tokens) per log-prob chunk: bounds the temporary memory. None: all."
         },
     )
+    fused_lm_head: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute log-probs and entropy from the final hidden states through a fused lm head "
+            "(rlhf_trainers.functional.logprobs_and_entropy_from_hidden) that never holds the (batch x "
+            "response x vocabulary) logits or their gradient; costs one more lm-head matmul in the "
+            "backward pass. Used for each model whose logits are exactly lm_head(final hidden state), "
+            "checked once at construction; others (soft-capped or scaled logits, an adapter on the lm "
+            "head) and ZeRO-3 keep the logits path. False: always the logits path."
+        },
+    )
     ratio_tolerance: float = field(
         default=1e-3,
         metadata={

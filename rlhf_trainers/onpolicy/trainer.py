@@ -81,12 +81,116 @@ class PolicyAndValue(nn.Module):
         position_ids: torch.Tensor,
         logits_to_keep: int = 0,
         with_values: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = policy_logits(self.policy, input_ids, attention_mask, position_ids, logits_to_keep)
+        response: torch.Tensor | None = None,
+        logprob_options: dict[str, Any] | None = None,
+        fused_head: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """``(logits, values)``; with ``response`` (B, R), the response's log-probs and entropy instead of
+        the logits: ``(logprobs, values, entropy)`` (see :func:`response_logprobs`)."""
         values = None
         if with_values and self.value_model is not None:
             values = token_values(self.value_model, input_ids, attention_mask, position_ids)
+        if response is not None:
+            logprobs, entropy = response_logprobs(
+                self.policy,
+                input_ids,
+                attention_mask,
+                position_ids,
+                response,
+                logprob_options or {},
+                fused_head=fused_head,
+            )
+            return logprobs, values, entropy
+        logits = policy_logits(self.policy, input_ids, attention_mask, position_ids, logits_to_keep)
         return logits, values
+
+
+def fused_head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """``(backbone, lm_head)`` of a causal LM (under a PEFT wrapper too) whose lm head is a plain
+    ``nn.Linear``; None otherwise (an adapter on the lm head, no backbone attribute)."""
+    from ..models import _base
+
+    try:
+        base = _base(model)
+        backbone = getattr(base, base.base_model_prefix, None)
+        head = base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(backbone, nn.Module) or type(head) is not nn.Linear:
+        return None
+    return backbone, head
+
+
+@torch.no_grad()
+def fused_head_matches(model: nn.Module) -> bool:
+    """Whether the model's logits are exactly ``lm_head(backbone(...).last_hidden_state)``, checked on a
+    three-token probe in eval mode: models that scale or soft-cap their logits (Gemma 2, Cohere,
+    Granite) fail it and keep the logits path."""
+    parts = fused_head_parts(model)
+    if parts is None:
+        return False
+    backbone, head = parts
+    from ..models import embedding_rows
+
+    device = head.weight.device
+    ids = torch.arange(min(3, embedding_rows(model)), device=device).unsqueeze(0)
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+        fused = head(backbone(input_ids=ids, use_cache=False).last_hidden_state)
+    except Exception:
+        return False
+    finally:
+        model.train(was_training)
+    return logits.shape == fused.shape and torch.allclose(logits.float(), fused.float(), rtol=1e-4, atol=1e-5)
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response: torch.Tensor,
+    options: dict[str, Any],
+    *,
+    fused_head: bool = False,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, R) of ``response``, the last R columns of ``input_ids``, and (when asked) the float32
+    entropy metric. ``options``: temperature, chunk_size, compute_dtype (the engine's log-prob options).
+
+    With ``fused_head`` (see :func:`fused_head_matches`) the backbone's hidden states go through
+    :func:`rlhf_trainers.functional.logprobs_and_entropy_from_hidden`, which never holds the (B, R, V)
+    logits or their gradient; otherwise the lm head's logits go through the chunked log-softmax."""
+    R = response.shape[1]
+    temperature = options.get("temperature", 1.0)
+    chunk = options.get("chunk_size")
+    cdt = options.get("compute_dtype")
+    if fused_head:
+        parts = fused_head_parts(model)
+        assert parts is not None, "fused_head needs a model that passed fused_head_matches"
+        backbone, head = parts
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state[:, -(R + 1) : -1]
+        logprobs, entropy = F.logprobs_and_entropy_from_hidden(
+            hidden,
+            head.weight,
+            response,
+            temperature,
+            bias=head.bias,
+            row_chunk_size=chunk or max(hidden.shape[0] * hidden.shape[1], 1),
+            compute_dtype=cdt,
+            with_entropy=with_entropy,
+        )
+        return logprobs, (entropy.float() if entropy is not None else None)
+    logits = policy_logits(model, input_ids, attention_mask, position_ids, R + 1)[:, :-1]
+    if with_entropy:
+        return F.logprobs_and_entropy_from_logits(
+            logits, response, temperature, chunk_size=chunk, compute_dtype=cdt, entropy_dtype=torch.float32
+        )
+    return F.logprobs_from_logits(logits, response, temperature, chunk_size=chunk, compute_dtype=cdt), None
 
 
 def policy_logits(
@@ -395,6 +499,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         )
         self._check_batch_sizes()
         self._prepare_frozen_models()
+        self._resolve_fused_head()
         self.kl_ctl: F.AdaptiveKLController | F.FixedKLController = (
             F.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
             if args.adaptive_kl
@@ -626,6 +731,17 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             finally:
                 offload._register_deepspeed_module(offload.module)
 
+    def _resolve_fused_head(self) -> None:
+        """``fused_lm_head``: use the fused log-prob head for the policy and the reference where each
+        model passes :func:`fused_head_matches`; never under ZeRO-3 (partitioned lm-head weights)."""
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        on = bool(self.args.fused_lm_head) and not zero3
+        self._fused_policy = on and fused_head_matches(self.policy)
+        if self.ref_model is None:
+            self._fused_ref = self._fused_policy
+        else:
+            self._fused_ref = on and self._ref_forward is None and fused_head_matches(self.ref_model)
+
     def _synced_generation(self) -> bool:
         """Multi-process ZeRO-3 without gathering the weights: ranks must step generation together."""
         return bool(
@@ -791,17 +907,6 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             "compute_dtype": torch.float32 if args.logprobs_in_fp32 else None,
         }
 
-    def _logprobs(self, logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-        return F.logprobs_from_logits(logits, response, **self._logprob_options())
-
-    def _logprobs_and_entropy(
-        self, logits: torch.Tensor, response: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_logprobs` and the float32 entropy (no gradient) in one chunked pass over the logits."""
-        return F.logprobs_and_entropy_from_logits(
-            logits, response, **self._logprob_options(), entropy_dtype=torch.float32
-        )
-
     def _sequence_inputs(
         self,
         query: torch.Tensor,
@@ -818,15 +923,24 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
     def _reference_logprobs(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, response: torch.Tensor
     ) -> torch.Tensor:
-        R = response.shape[1]
+        options = self._logprob_options()
         if self.ref_model is None:
             # PEFT: the reference is the same weights with the adapter disabled (no second copy).
             with self.policy.disable_adapter():
-                logits = policy_logits(self.policy, ids, mask, pos, R + 1)
-        else:
-            forward = self._ref_forward or self.ref_model
-            logits = policy_logits(forward, ids, mask, pos, R + 1)
-        return self._logprobs(logits[:, :-1], response)
+                return response_logprobs(
+                    self.policy,
+                    ids,
+                    mask,
+                    pos,
+                    response,
+                    options,
+                    fused_head=self._fused_ref,
+                    with_entropy=False,
+                )[0]
+        forward = self._ref_forward or self.ref_model
+        return response_logprobs(
+            forward, ids, mask, pos, response, options, fused_head=self._fused_ref, with_entropy=False
+        )[0]
 
     # ---- the rollout -----------------------------------------------------------------------------
 
@@ -907,11 +1021,11 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 timings["timing/policy"] += 0.0  # logged as 0: the pass was skipped
             else:
                 t0 = time.perf_counter()
-                logits = policy_logits(self.policy, ids, mask, pos, end + 1)[:, :-1]
-                logprobs, entropy = self._logprobs_and_entropy(logits, tr)
+                logprobs, entropy = response_logprobs(
+                    self.policy, ids, mask, pos, tr, self._logprob_options(), fused_head=self._fused_policy
+                )
                 parts["logprobs"].append(_pad_columns(logprobs, R))
                 parts["entropy"].append(_pad_columns(entropy, R))
-                del logits
                 timings["timing/policy"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             parts["ref_logprobs"].append(_pad_columns(self._reference_logprobs(ids, mask, pos, tr), R))
@@ -1035,15 +1149,15 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         start, end = _trim_bounds(qm, rmask) if bounds is None else bounds
         q, qm, response, rmask = q[:, start:], qm[:, start:], response[:, :end], rmask[:, :end]
         ids, mask, pos = self._sequence_inputs(q, qm, response, rmask)
-        logits, values = model(
+        logprobs, values, entropy = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            logits_to_keep=end + 1,
             with_values=self.value_model is not None,
+            response=response,
+            logprob_options=self._logprob_options(),
+            fused_head=self._fused_policy,
         )
-        logprobs, entropy = self._logprobs_and_entropy(logits[:, :-1], response)
-        del logits
         if values is not None:
             values = _pad_columns(values[:, q.shape[1] - 1 : -1].float(), R)
         return _pad_columns(logprobs, R), values, _pad_columns(entropy, R)

@@ -1,0 +1,119 @@
+"""The fused lm head (``fused_lm_head``, ``functional.logprobs_and_entropy_from_hidden``): the same
+log-probs, entropies and gradients as the logits path, without the (N, V) logits held for the backward
+pass; used only for models whose logits are exactly ``lm_head(final hidden state)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_trainers import functional as F
+from rlhf_trainers.onpolicy.trainer import fused_head_matches
+from tests.test_rloo import _digest, _trainer
+
+
+@pytest.mark.parametrize(("temperature", "with_bias"), [(1.0, False), (0.7, True)])
+def test_fused_head_equals_the_logits_path_values_and_gradients(temperature, with_bias):
+    torch.manual_seed(0)
+    N, H, V = 37, 16, 101
+    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V, dtype=torch.float64, requires_grad=True) if with_bias else None
+    tok = torch.randint(0, V, (N,))
+    # Tiles that do not divide the rows or the vocabulary: the online logsumexp crosses tile edges.
+    lp, ent = F.logprobs_and_entropy_from_hidden(
+        h, w, tok, temperature, bias=b, row_chunk_size=10, vocab_chunk_size=17
+    )
+    logits = h @ w.t() + (b if b is not None else 0)
+    lp_ref, ent_ref = F.logprobs_and_entropy_from_logits(
+        logits, tok, temperature, entropy_dtype=torch.float64
+    )
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-12)
+    g = torch.randn(N, dtype=torch.float64)
+    inputs = [h, w] + ([b] if b is not None else [])
+    grads = torch.autograd.grad((lp * g).sum(), inputs)
+    grads_ref = torch.autograd.grad((lp_ref * g).sum(), inputs)
+    for got, want in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    small = (h[:6].detach().requires_grad_(), w.detach().requires_grad_())
+    assert torch.autograd.gradcheck(
+        lambda h, w: F.logprobs_and_entropy_from_hidden(
+            h, w, tok[:6], temperature, row_chunk_size=4, vocab_chunk_size=40
+        )[0],
+        small,
+    )
+
+
+def test_fused_head_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="same H"):
+        F.logprobs_and_entropy_from_hidden(
+            torch.zeros(3, 4), torch.zeros(10, 5), torch.zeros(3, dtype=torch.long)
+        )
+    with pytest.raises(ValueError, match="leading shape"):
+        F.logprobs_and_entropy_from_hidden(
+            torch.zeros(3, 4), torch.zeros(10, 4), torch.zeros(2, dtype=torch.long)
+        )
+    with pytest.raises(ValueError, match="vocab_chunk_size"):
+        F.logprobs_and_entropy_from_hidden(
+            torch.zeros(3, 4), torch.zeros(10, 4), torch.zeros(3, dtype=torch.long), vocab_chunk_size=0
+        )
+
+
+def _saved_vocab_activations(trainer, vocab: int) -> int:
+    """Elements of the tensors with a vocabulary-sized last dimension, other than weights, that the
+    training forward of one micro-batch saves for its backward pass (the logits, if kept)."""
+    rollout = trainer.rollout(next(iter(trainer.get_train_dataloader())))
+    idx = torch.arange(4)
+    sizes = []
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-1] == vocab and not isinstance(t, torch.nn.Parameter):
+            sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs, _, _ = trainer._training_forward(trainer.model, rollout, idx)
+    logprobs.sum().backward()
+    return sum(sizes)
+
+
+def test_the_trainer_uses_it_for_the_kit_model_and_keeps_no_logits_for_backward(kit, tmp_path):
+    fused = _trainer(kit, tmp_path / "fused", response_length=8)
+    plain = _trainer(kit, tmp_path / "plain", response_length=8, fused_lm_head=False)
+    assert fused._fused_policy and fused._fused_ref
+    assert not plain._fused_policy and not plain._fused_ref
+    vocab = fused.policy.get_output_embeddings().weight.shape[0]
+    logits_elems = 4 * 8 * vocab
+    # The logits path saves the (4, 8, V) logits for its backward pass; the fused head saves none.
+    assert _saved_vocab_activations(plain, vocab) >= logits_elems
+    assert _saved_vocab_activations(fused, vocab) == 0
+
+
+def test_training_with_and_without_it_gives_the_same_model(kit, tmp_path):
+    runs = {}
+    for name, fused in (("fused", True), ("plain", False)):
+        trainer = _trainer(kit, tmp_path / name, fused_lm_head=fused, max_steps=2, rollout_logprobs="forward")
+        trainer.train()
+        runs[name] = (_digest(trainer.policy), trainer.state.log_history)
+    torch.testing.assert_close(runs["fused"][0], runs["plain"][0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(runs["fused"][1], runs["plain"][1], strict=True):
+        for key in ("objective/kl", "policy/entropy_avg", "loss/policy_avg"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
+
+
+def test_models_whose_logits_are_not_the_plain_lm_head_keep_the_logits_path(kit, tmp_path):
+    model = kit.load_model("llama-sft")
+    assert fused_head_matches(model)
+    forward = model.forward
+
+    def scaled(*args, **kwargs):  # a model that scales its logits (as Cohere's or Granite's do)
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    model.forward = scaled
+    assert not fused_head_matches(model)
+    trainer = _trainer(kit, tmp_path, model=model)
+    assert not trainer._fused_policy
