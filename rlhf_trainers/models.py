@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,11 +39,24 @@ _HEAD_NAMES = ("score", "classifier", "v_head", "summary")
 
 
 def _is_peft_model(model: Any) -> bool:
+    if "peft" not in sys.modules:  # never imported: no PeftModel can exist (and importing costs ~9 MiB)
+        return False
     try:
         from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
+    except ImportError:  # pragma: no cover - a broken install
         return False
     return isinstance(model, PeftModel)
+
+
+def require_peft(purpose: str) -> None:
+    """Raise a clear ImportError when PEFT (an optional dependency: the ``peft`` extra) is missing."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"{purpose} needs PEFT, which is not installed. Install it with "
+            "`pip install 'rlhf_trainers[peft]'` (or `pip install peft`)."
+        ) from err
 
 
 def _base(model: Any) -> PreTrainedModel:
@@ -307,6 +321,7 @@ def load_reward_model(
 
 def _load_adapter_folder(path: str | os.PathLike[str], kwargs: dict[str, Any]) -> PreTrainedModel:
     """A PEFT folder saved by RewardTrainer: base model + adapter + trained head, merged for inference."""
+    require_peft(f"Loading the adapter folder {path}")
     from peft import AutoPeftModelForSequenceClassification
 
     kwargs = {k: v for k, v in kwargs.items() if k != "num_labels"}

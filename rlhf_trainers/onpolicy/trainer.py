@@ -40,6 +40,7 @@ from ..models import (
     disable_dropout,
     has_peft_adapter,
     load_reward_model,
+    require_peft,
 )
 from ..optim import TFStyleAdam
 from ..rewards import RewardSources
@@ -424,6 +425,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             check_one_label(reward_model)
         value = self.build_value_model(policy, reward_model, value_model, args)
         if peft_config is not None:
+            require_peft("peft_config")
             from peft import get_peft_model
 
             policy = get_peft_model(policy, peft_config)

@@ -23,6 +23,7 @@ from ..models import (
     get_reward_normalization,
     has_peft_adapter,
     load_reward_model,
+    require_peft,
     set_reward_normalization,
     write_reward_normalization,
 )
@@ -421,6 +422,7 @@ def _wrap_peft(model: PreTrainedModel, peft_config: PeftConfig) -> Any:
     """LoRA (or any PEFT method) on the backbone; the scalar head is trained in full (modules_to_save)."""
     import copy
 
+    require_peft("peft_config")
     from peft import TaskType, get_peft_model
 
     config = copy.deepcopy(peft_config)

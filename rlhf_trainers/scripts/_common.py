@@ -124,6 +124,9 @@ class LoraArguments:
         "CAUSAL_LM" for a policy or "SEQ_CLS" for a reward model."""
         if not self.use_peft:
             return None
+        from ..models import require_peft
+
+        require_peft("--use_peft")
         from peft import LoraConfig
 
         return LoraConfig(
