@@ -340,12 +340,19 @@ UNMATCHED = [
     "Rollout log-probs: TRL's PPO takes them from the generation scores (`output_scores`, which keeps the "
     "logits of every generated token: batch x response x vocab floats); ours (PPO and RLOO) from its own "
     "sampling loop, which keeps one float per token (`rollout_logprobs='auto'` picks this in float32); "
-    "TRL's RLOO runs a separate no-grad policy forward (through its fused, chunked lm-head).",
+    "TRL's RLOO runs a separate no-grad policy forward.",
+    "Log-prob head: ours (PPO and RLOO) and TRL's RLOO compute log-probs from the final hidden states with a "
+    "fused lm head that never holds the response logits (ours: `fused_lm_head=True`, the default; each "
+    "rebuilds the logits in the backward pass); TRL's PPO runs the lm head and a log-softmax over full "
+    "logits.",
     "Host memory: ours sets glibc's malloc to keep freed memory in the process (`reuse_host_memory=True`, "
     "the default on CPU); TRL runs with glibc's defaults. TRL users can get the same effect from the "
     "environment (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647`).",
     "TRL's PPO computes the full-vocabulary logits of every position (prompt included) in its reference and "
-    "training forward passes; ours and TRL's RLOO only those of the response positions (`logits_to_keep`).",
+    "training forward passes; ours and TRL's RLOO only those of the response positions.",
+    "Environment: each side runs in its own venv with only what its job needs (`benchmarks/setup_trl.sh`; "
+    "ours: this project without extras, so no DeepSpeed or PEFT imports), and the page cache is dropped "
+    "before every run where the benchmark may (root), so file-backed RSS starts from the same state.",
     "Fixed-length responses: ours and TRL's PPO sample EOS like any token and continue (`stop_token=None`); "
     "TRL's RLOO always cuts at EOS, so it runs with `min_new_tokens=response_length`, which sets the EOS "
     "probability to 0 during generation (same token counts, slightly different sampling).",
