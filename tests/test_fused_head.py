@@ -117,3 +117,11 @@ def test_models_whose_logits_are_not_the_plain_lm_head_keep_the_logits_path(kit,
     assert not fused_head_matches(model)
     trainer = _trainer(kit, tmp_path, model=model)
     assert not trainer._fused_policy
+
+
+def test_the_probe_leaves_every_submodule_in_its_own_mode(kit):
+    model = kit.load_model("llama-sft").train()
+    frozen = model.get_input_embeddings().eval()
+    assert fused_head_matches(model)
+    assert model.training and not frozen.training
+    assert all(m.training for m in model.modules() if m is not frozen)

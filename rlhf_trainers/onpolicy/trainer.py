@@ -135,15 +135,16 @@ def fused_head_matches(model: nn.Module) -> bool:
 
     device = head.weight.device
     ids = torch.arange(min(3, embedding_rows(model)), device=device).unsqueeze(0)
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         logits = model(input_ids=ids, use_cache=False).logits
         fused = head(backbone(input_ids=ids, use_cache=False).last_hidden_state)
-    except Exception:
+    except Exception:  # any failure means: use the logits path
         return False
     finally:
-        model.train(was_training)
+        for module, training in modes:  # each submodule's own mode back, as it was
+            module.training = training
     return logits.shape == fused.shape and torch.allclose(logits.float(), fused.float(), rtol=1e-4, atol=1e-5)
 
 
