@@ -125,3 +125,15 @@ def test_the_probe_leaves_every_submodule_in_its_own_mode(kit):
     assert fused_head_matches(model)
     assert model.training and not frozen.training
     assert all(m.training for m in model.modules() if m is not frozen)
+
+
+def test_a_hook_on_the_lm_head_turns_the_fused_path_off_so_the_hook_runs(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path)
+    assert trainer._fused_policy
+    with_grad = []
+    head = trainer.policy.get_output_embeddings()
+    head.register_forward_hook(lambda m, i, o: with_grad.append(torch.is_grad_enabled()))
+    trainer.train()
+    # The sampling loop calls the lm head without gradients anyway; the training passes (with
+    # gradients) reach the hook only because the fused path stood aside.
+    assert any(with_grad)

@@ -244,7 +244,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "response x vocabulary) logits or their gradient; costs one more lm-head matmul in the "
             "backward pass. Used for each model whose logits are exactly lm_head(final hidden state), "
             "checked once at construction; others (soft-capped or scaled logits, an adapter on the lm "
-            "head) and ZeRO-3 keep the logits path. False: always the logits path."
+            "head), an lm head with forward hooks (which the fused path would not run) and ZeRO-3 keep "
+            "the logits path. False: always the logits path."
         },
     )
     ratio_tolerance: float = field(

@@ -108,7 +108,8 @@ class PolicyAndValue(nn.Module):
 
 def fused_head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """``(backbone, lm_head)`` of a causal LM (under a PEFT wrapper too) whose lm head is a plain
-    ``nn.Linear``; None otherwise (an adapter on the lm head, no backbone attribute)."""
+    ``nn.Linear`` without forward hooks; None otherwise (an adapter on the lm head, no backbone
+    attribute, a hook that the fused path would skip)."""
     from ..models import _base
 
     try:
@@ -119,7 +120,19 @@ def fused_head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
         return None
     if not isinstance(backbone, nn.Module) or type(head) is not nn.Linear:
         return None
+    # The fused head reads the weights without calling the module: hooks on it would not run.
+    if head._forward_hooks or head._forward_pre_hooks or _global_forward_hooks_set():
+        return None
     return backbone, head
+
+
+def _global_forward_hooks_set() -> bool:
+    """Whether ``nn.modules.module.register_module_forward_(pre_)hook`` hooks are registered."""
+    from torch.nn.modules import module as _module
+
+    return bool(
+        getattr(_module, "_global_forward_hooks", None) or getattr(_module, "_global_forward_pre_hooks", None)
+    )
 
 
 @torch.no_grad()
@@ -162,16 +175,16 @@ def response_logprobs(
     """Log-probs (B, R) of ``response``, the last R columns of ``input_ids``, and (when asked) the float32
     entropy metric. ``options``: temperature, chunk_size, compute_dtype (the engine's log-prob options).
 
-    With ``fused_head`` (see :func:`fused_head_matches`) the backbone's hidden states go through
+    With ``fused_head`` (see :func:`fused_head_matches`; ignored while the lm head has forward hooks,
+    which the fused path would not run) the backbone's hidden states go through
     :func:`rlhf_trainers.functional.logprobs_and_entropy_from_hidden`, which never holds the (B, R, V)
     logits or their gradient; otherwise the lm head's logits go through the chunked log-softmax."""
     R = response.shape[1]
     temperature = options.get("temperature", 1.0)
     chunk = options.get("chunk_size")
     cdt = options.get("compute_dtype")
-    if fused_head:
-        parts = fused_head_parts(model)
-        assert parts is not None, "fused_head needs a model that passed fused_head_matches"
+    parts = fused_head_parts(model) if fused_head else None
+    if parts is not None:  # None also when a hook was put on the lm head after construction
         backbone, head = parts
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
