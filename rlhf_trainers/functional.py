@@ -878,6 +878,18 @@ def _entropy_terms(x: Tensor, lse: Tensor) -> Tensor:
     return lse - (probs * x_finite).sum(-1)
 
 
+def _logprob_grad(shifted: Tensor, g: Tensor, index: Tensor, hits: Tensor, temperature: float) -> Tensor:
+    """Gradient of ``g * (z[tok] - lse(z)) / T`` w.r.t. the logits ``z`` of a chunk:
+    ``(onehot(tok) - softmax(z)) * g / T``, built in place on ``shifted = z - lse`` (a temporary the caller
+    owns). ``index`` (n, 1): the token's column in the chunk; ``hits`` (n, 1): ``g`` where the token lies in
+    the chunk, 0 elsewhere (a vocabulary tile of the fused head may not contain it)."""
+    grad = shifted.exp_().mul_(-g)
+    grad.scatter_add_(-1, index, hits)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
 class _TokenLogprob(torch.autograd.Function):
     """``logit[token] / T - logsumexp(logits / T)`` chunk by chunk, and optionally (no gradient) the
     entropy of ``softmax(logits / T)`` in the same pass over the logits.
@@ -942,12 +954,8 @@ class _TokenLogprob(torch.autograd.Function):
             if temperature != 1.0:
                 x = x / temperature
             g = g_rows[p, q0:q1].unsqueeze(-1)
-            # d(logit_tok - lse)/d logit = onehot - softmax; built in place on a chunk-sized temporary.
-            grad = torch.exp(x - lse[p, q0:q1].unsqueeze(-1)).mul_(-g)
-            grad.scatter_add_(-1, tok[p, q0:q1].unsqueeze(-1), g)
-            if temperature != 1.0:
-                grad.div_(temperature)
-            grad_rows[p, q0:q1] = grad
+            shifted = x - lse[p, q0:q1].unsqueeze(-1)  # a chunk-sized temporary (x may be the logits)
+            grad_rows[p, q0:q1] = _logprob_grad(shifted, g, tok[p, q0:q1].unsqueeze(-1), g, temperature)
         return grad_rows.view(logits.shape), None, None, None, None, None
 
 
@@ -1120,14 +1128,10 @@ class _HiddenTokenLogprob(torch.autograd.Function):
                 v1 = min(v0 + vocab_chunk, V)
                 with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                     z = _hidden_tile(h, weight, bias, v0, v1, lse.dtype, temperature)
-                # d(z_tok - lse)/dz = onehot - softmax, times the upstream gradient, over T.
-                dz = torch.exp(z.sub_(row_lse)).mul_(-g)
                 inside = (tok >= v0) & (tok < v1)
                 local = (tok - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
-                dz.scatter_add_(-1, local, g * inside.unsqueeze(-1).to(g.dtype))
-                if temperature != 1.0:
-                    dz.div_(temperature)
-                dz = dz.to(weight.dtype)
+                hits = g * inside.unsqueeze(-1).to(g.dtype)
+                dz = _logprob_grad(z.sub_(row_lse), g, local, hits, temperature).to(weight.dtype)
                 if grad_h is not None:
                     grad_h[r0:r1].addmm_(dz, weight[v0:v1])
                 if grad_w is not None:

@@ -67,7 +67,9 @@ class PolicyAndValue(nn.Module):
     DeepSpeed engine for both (PPO's value model is ``None`` for RLOO).
 
     ``forward`` returns the policy logits of the last ``logits_to_keep`` positions and, when asked, the
-    value model's per-token values (its scalar head applied to every hidden state).
+    value model's per-token values (its scalar head applied to every hidden state); given ``response``,
+    the response's log-probs and entropy instead of the logits (what the training step uses, through
+    the fused lm head where the model allows it).
     """
 
     def __init__(self, policy: nn.Module, value_model: nn.Module | None = None) -> None:
