@@ -457,6 +457,15 @@ def main() -> None:
     parser.add_argument("--trl-ppo-python", help="python of the trl==1.12.0 venv")
     parser.add_argument("--trl-rloo-python", help="python of the newest-trl venv")
     parser.add_argument("--ours-python", help="python of the venv with this project (default: .venvs/ours)")
+    parser.add_argument(
+        "--ours-config",
+        default="{}",
+        help="JSON object of our config fields to set on top of the shared settings, e.g. "
+        '\'{"onednn_linear": false}\' (recorded in the result\'s settings)',
+    )
+    parser.add_argument(
+        "--impls", default="ours,trl", help="comma-separated: ours, trl (one side only: an A/B of our options)"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the table of a result file")
@@ -464,6 +473,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [x for x in args.sizes.split(",") if x]
     algos = [x for x in args.algos.split(",") if x]
+    impls = [x for x in args.impls.split(",") if x]
+    if not impls or any(x not in ("ours", "trl") for x in impls):
+        raise SystemExit(f"--impls {args.impls!r}: expected a comma-separated subset of ours,trl")
     for x in sizes:
         if x not in SIZES:
             raise SystemExit(f"--sizes: {x!r} is not one of {SIZES}")
@@ -511,11 +523,12 @@ def main() -> None:
             "seed": args.seed,
             "eval_every": 0,
             "threads": args.threads,
+            "ours_config": json.loads(args.ours_config),
         }
         for algo in algos:
             for rep in range(args.first_repeat, args.first_repeat + args.repeats):
                 order = ("ours", "trl") if rep % 2 == 0 else ("trl", "ours")
-                for impl in order:
+                for impl in (i for i in order if i in impls):
                     spec = {
                         "impl": impl,
                         "algo": algo,

@@ -233,6 +233,8 @@ def build_trainer(
             eval_strategy="no",
             num_sample_generations=0,
         )
+        # vs_trl.py --ours-config: our config fields to set on top (e.g. an A/B of one option).
+        ours.update(s.get("ours_config") or {})
         dataset = Dataset.from_dict({"prompt": train_prompts})
         if algo == "ppo":
             trainer = PPOTrainer(

@@ -1145,8 +1145,9 @@ def _hidden_tile(
     h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int, cdt: torch.dtype, temperature: float
 ) -> Tensor:
     """Logits ``(h @ weight[v0:v1].T + bias[v0:v1]) / T`` of one tile, in ``cdt`` (a new tensor)."""
-    w = weight[v0:v1]
-    z = torch.addmm(bias[v0:v1], h, w.t()) if bias is not None else h @ w.t()
+    # F.linear (the same addmm / matmul as h @ w.T + b) so that a linear backend the trainers enter
+    # (cpu_linear.OneDNNLinear) runs the lm-head tiles too.
+    z = torch.nn.functional.linear(h, weight[v0:v1], bias[v0:v1] if bias is not None else None)
     z = z.to(cdt) if z.dtype != cdt else z
     if temperature != 1.0:
         z = z / temperature

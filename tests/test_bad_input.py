@@ -181,7 +181,20 @@ def _transformers_adapter(assets: Assets, trainer: str) -> PreTrainedModel:
     from peft import LoraConfig
 
     model = assets.fresh("llama-seqcls" if trainer == "reward" else "llama-sft")
-    model.add_adapter(LoraConfig(target_modules=["q_proj"]))
+    config = LoraConfig(target_modules=["q_proj"])
+    try:
+        model.add_adapter(config)
+    except ValueError as error:
+        # transformers >= 5.24 asks peft >= 0.22 for its integration, which PyPI did not have when
+        # this was written: build the state add_adapter leaves (peft injects the layers, transformers
+        # marks the model) the way add_adapter does.
+        if "version of PEFT" not in str(error):
+            raise
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, model, adapter_name="default")
+        model._hf_peft_config_loaded = True
+        model.peft_config = {"default": config}
     return model
 
 

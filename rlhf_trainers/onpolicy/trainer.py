@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .. import functional as F
+from ..cpu_linear import OneDNNLinear, onednn_linear_available
 from ..data import PromptCollator, PromptTokenizationStats, tokenize_prompts
 from ..models import (
     _base,
@@ -518,6 +519,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         self._check_batch_sizes()
         self._prepare_frozen_models()
         self._resolve_fused_head()
+        self._resolve_onednn_linear()
         self.kl_ctl: F.AdaptiveKLController | F.FixedKLController = (
             F.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
             if args.adaptive_kl
@@ -759,6 +761,42 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             self._fused_ref = self._fused_policy
         else:
             self._fused_ref = on and self._ref_forward is None and fused_head_matches(self.ref_model)
+
+    def _resolve_onednn_linear(self) -> None:
+        """``onednn_linear``: whether updates and evaluation run the float32 linear layers through oneDNN
+        (:class:`~rlhf_trainers.cpu_linear.OneDNNLinear`); decided once, at construction."""
+        args = self.args
+        on = bool(args.onednn_linear) and self.accelerator.device.type == "cpu"
+        on = on and not (args.bf16 or args.fp16) and not self.is_deepspeed_enabled
+        if on:
+            largest = max(
+                (m.weight.numel() for m in self.policy.modules() if isinstance(m, nn.Linear)), default=0
+            )
+            floating = [p for p in self.policy.parameters() if p.is_floating_point()]
+            on = (
+                largest >= args.onednn_linear_min_weights
+                and all(p.dtype == torch.float32 for p in floating)
+                and onednn_linear_available()
+            )
+        #: True when updates and evaluation run under :class:`~rlhf_trainers.cpu_linear.OneDNNLinear`.
+        self.uses_onednn_linear = on
+
+    def _linear_backend(self) -> contextlib.AbstractContextManager[Any]:
+        """The context an update or an evaluation runs in: oneDNN's linear where
+        :attr:`uses_onednn_linear` and no model recomputes activations in its backward pass (gradient
+        checkpointing: the recomputation runs outside the context, through PyTorch's linear, and
+        ``torch.utils.checkpoint`` refuses tensors saved in another order), else nothing."""
+        args = self.args
+        if (
+            not self.uses_onednn_linear
+            or args.gradient_checkpointing
+            or getattr(args, "activation_checkpointing", False)
+        ):
+            return contextlib.nullcontext()
+        models = (self.policy, self.value_model)
+        if any(getattr(_base(m), "is_gradient_checkpointing", False) for m in models if m is not None):
+            return contextlib.nullcontext()
+        return OneDNNLinear()
 
     def _synced_generation(self) -> bool:
         """Multi-process ZeRO-3 without gathering the weights: ranks must step generation together."""
@@ -1435,7 +1473,8 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         while self.state.global_step < self.num_updates and not self.control.should_training_stop:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             lr = self._get_learning_rate()  # the rate this update trains with
-            metrics = self._update(model, self.state.global_step)
+            with self._linear_backend():
+                metrics = self._update(model, self.state.global_step)
             self.lr_scheduler.step()
             self.state.global_step += 1
             self.state.epoch = self.state.global_step / self.updates_per_data_epoch
@@ -1542,7 +1581,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         scores_all, lengths_all, found_all = [], [], []
         per_source_all: dict[str, list[torch.Tensor]] = defaultdict(list)
         samples: list[dict[str, Any]] = []
-        with torch.random.fork_rng(devices=devices), self.accelerator.autocast():
+        with torch.random.fork_rng(devices=devices), self.accelerator.autocast(), self._linear_backend():
             torch.manual_seed(self.args.seed + 7 + rank * RANK_SEED_STRIDE)
             step = self.args.local_rollout_forward_batch_size
             for s in range(0, len(rows), step):
