@@ -461,10 +461,12 @@ def main() -> None:
         "--ours-config",
         default="{}",
         help="JSON object of our config fields to set on top of the shared settings, e.g. "
-        '\'{"onednn_linear": false}\' (recorded in the result\'s settings)',
+        "'{\"onednn_linear\": false}' (recorded in the result's settings)",
     )
     parser.add_argument(
-        "--impls", default="ours,trl", help="comma-separated: ours, trl (one side only: an A/B of our options)"
+        "--impls",
+        default="ours,trl",
+        help="comma-separated: ours, trl (one side only: an A/B of our options)",
     )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="")
