@@ -45,6 +45,22 @@ def test_fused_head_equals_the_logits_path_values_and_gradients(temperature, wit
     )
 
 
+def test_fused_head_gradients_with_several_row_chunks_and_with_no_rows():
+    # d weight is written by the first row chunk and added to by the others; with no rows it is zero.
+    torch.manual_seed(1)
+    h = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    tok = torch.randint(0, 30, (9,))
+    lp, _ = F.logprobs_and_entropy_from_hidden(h, w, tok, row_chunk_size=2, vocab_chunk_size=7)
+    (grad_w,) = torch.autograd.grad(lp.sum(), [w])
+    want = torch.autograd.grad(torch.log_softmax(h @ w.t(), -1).gather(1, tok[:, None]).sum(), [w])[0]
+    torch.testing.assert_close(grad_w, want, rtol=0, atol=1e-12)
+    w.grad = None
+    lp, _ = F.logprobs_and_entropy_from_hidden(h[:0], w, tok[:0])
+    lp.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_fused_head_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="same H"):
         F.logprobs_and_entropy_from_hidden(
