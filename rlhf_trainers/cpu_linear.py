@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OneDNNLinear", "onednn_linear_available"]
+__all__ = ["OneDNNLinear", "active_onednn_linear", "onednn_linear_available"]
 
 _LINEAR = torch.nn.functional.linear
 
@@ -72,10 +72,10 @@ class _OneDNNLinearFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
         flat, weight = ctx.saved_tensors
-        g = grad.reshape(-1, weight.shape[0])
+        g = grad.reshape(-1, weight.shape[0]).contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad
         # d input = g @ W: oneDNN's linear with the transposed weight (a view; no copy).
-        grad_x = _op(g.contiguous(), weight.t(), None).reshape(ctx.x_shape) if need_x else None
+        grad_x = _op(g, weight.t(), None).reshape(ctx.x_shape) if need_x else None
         grad_w = g.t().mm(flat) if need_w else None
         grad_b = g.sum(0) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b
@@ -104,6 +104,14 @@ def _eligible(x: Any, weight: Any, bias: Any) -> bool:
         return False
     # Under CPU autocast, F.linear runs in the autocast dtype: leave it to PyTorch.
     return not torch.is_autocast_enabled("cpu")
+
+
+def active_onednn_linear() -> OneDNNLinear | None:
+    """The innermost :class:`OneDNNLinear` in effect, or None. Functions with a backward pass of their own
+    that rebuilds forward results (the fused lm head) capture it in the forward pass and re-enter it in
+    the backward pass, which the autograd engine runs outside the context."""
+    stack = getattr(torch.overrides, "_get_current_function_mode_stack", lambda: [])()
+    return next((mode for mode in reversed(stack) if isinstance(mode, OneDNNLinear)), None)
 
 
 class OneDNNLinear(TorchFunctionMode):

@@ -41,12 +41,15 @@ Losses
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from .cpu_linear import active_onednn_linear
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -1103,6 +1106,9 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
         )
+        # Likewise the linear backend a trainer runs the forward in (cpu_linear.OneDNNLinear): the same
+        # kernel rebuilds the same logits.
+        ctx.linear_backend = active_onednn_linear()
         ctx.mark_non_differentiable(ent)
         return out, ent
 
@@ -1128,7 +1134,10 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             row_lse = lse[r0:r1].unsqueeze(-1)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
-                with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+                with (
+                    torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on),
+                    ctx.linear_backend or contextlib.nullcontext(),
+                ):
                     z = _hidden_tile(h, weight, bias, v0, v1, lse.dtype, temperature)
                 inside = (tok >= v0) & (tok < v1)
                 local = (tok - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)

@@ -158,3 +158,21 @@ def test_gradient_checkpointing_keeps_pytorch_linear_and_trains(kit, tmp_path, o
 def test_bad_min_weights_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"onednn_linear_min_weights=-1: expected an integer >= 0"):
         RLOOConfig(output_dir=str(tmp_path), report_to="none", onednn_linear_min_weights=-1)
+
+
+def test_the_fused_head_rebuilds_its_tiles_with_the_forward_passes_backend(onednn_calls):
+    from rlhf_trainers import functional as F
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 48, generator=g, requires_grad=True)
+    w = torch.randn(40, 48, generator=g, requires_grad=True)
+    tok = torch.randint(0, 40, (6,), generator=g)
+    with OneDNNLinear():
+        lp, _ = F.logprobs_and_entropy_from_hidden(h, w, tok, vocab_chunk_size=16)
+    forward_calls = onednn_calls["n"]
+    assert forward_calls == 3  # one per vocabulary tile
+    grads = torch.autograd.grad(lp.sum(), [h, w])  # the backward pass runs after the context is left
+    assert onednn_calls["n"] == 2 * forward_calls
+    lp_ref, _ = F.logprobs_and_entropy_from_hidden(h, w, tok, vocab_chunk_size=16)
+    for got, want in zip(grads, torch.autograd.grad(lp_ref.sum(), [h, w]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
