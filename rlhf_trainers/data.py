@@ -618,6 +618,8 @@ PROMPT_FORMATS: tuple[str, ...] = ("text", "conversational", "tokenized")
 _PROMPT_COLUMNS = ("prompt", "messages", "input_ids")
 
 # Per-row prompt length before truncation, carried through ``dataset.map`` and removed afterwards.
+#: Rows per tokenizer call when an in-memory dataset is tokenized without ``map`` (map's default batch).
+_TOKENIZE_BATCH = 1000
 _LENGTH_COLUMN = "__rlhf_trainers_prompt_length__"
 
 _ACCEPTED_PROMPT_FORMATS = (
@@ -927,20 +929,41 @@ def tokenize_prompts(
             out["input_ids"].append(seq)
         return out
 
-    features = dataset.features.copy()
-    features["input_ids"] = datasets.List(datasets.Value("int64"))
-    features[_LENGTH_COLUMN] = datasets.Value("int64")
-    tokenized = dataset.map(
-        process,
-        batched=True,
-        with_indices=True,
-        features=features,
-        num_proc=num_proc,
-        desc=f"Tokenizing prompts ({fmt})",
-    )
-    # map writes a new table without indices mapping: its Arrow column is the rows in order (see above).
-    lengths = tokenized.data.column(_LENGTH_COLUMN).to_pylist()
-    tokenized = tokenized.remove_columns(_LENGTH_COLUMN)
+    ids_feature = datasets.List(datasets.Value("int64"))
+    if num_proc is None and not dataset.cache_files:
+        # An in-memory dataset (from_dict, from_list, ...): the same batches through `process`, the ids added
+        # as a column. map's function fingerprinting and Arrow writer cost ~3 MiB of resident memory and
+        # buy nothing here (no cache file is written for an in-memory dataset).
+        source = dataset.with_format(None).select_columns([column])
+        ids_column: list[list[int]] = []
+        lengths = []
+        for start in range(0, len(dataset), _TOKENIZE_BATCH):
+            stop = min(start + _TOKENIZE_BATCH, len(dataset))
+            out = process(source[start:stop], list(range(start, stop)))
+            ids_column += out["input_ids"]
+            lengths += out[_LENGTH_COLUMN]
+        others = [name for name in dataset.column_names if name != "input_ids"]
+        if others:
+            base = dataset.select_columns(others)
+            tokenized = base.add_column("input_ids", ids_column, feature=ids_feature)
+        else:  # a table without columns has no rows to add a column to
+            features = datasets.Features({"input_ids": ids_feature})
+            tokenized = datasets.Dataset.from_dict({"input_ids": ids_column}, features=features)
+    else:
+        features = dataset.features.copy()
+        features["input_ids"] = ids_feature
+        features[_LENGTH_COLUMN] = datasets.Value("int64")
+        tokenized = dataset.map(
+            process,
+            batched=True,
+            with_indices=True,
+            features=features,
+            num_proc=num_proc,
+            desc=f"Tokenizing prompts ({fmt})",
+        )
+        # map writes a new table without indices mapping: its Arrow column is the rows in order (see above).
+        lengths = tokenized.data.column(_LENGTH_COLUMN).to_pylist()
+        tokenized = tokenized.remove_columns(_LENGTH_COLUMN)
     stats = PromptTokenizationStats(
         format=fmt,
         num_rows=len(dataset),

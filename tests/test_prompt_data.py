@@ -186,6 +186,28 @@ def test_rows_stay_in_order_after_select_and_results_are_deterministic(kit, toke
     assert stats.num_truncated == sum(len(tokenizer(p)["input_ids"]) > 4 for p in ds["prompt"])
 
 
+@pytest.mark.parametrize("fmt", ["text", "tokenized"])
+def test_file_backed_and_in_memory_datasets_tokenize_alike(kit, tokenizer, tmp_path, fmt):
+    # In-memory datasets are tokenized without datasets.map; file-backed ones (load_dataset, load_from_disk)
+    # through map, which caches to disk: the two paths give the same rows, columns and statistics.
+    prompts = list(kit.prompt_dataset("train", n=40)["prompt"]) + ["x " * 30]
+    if fmt == "text":
+        columns = {"prompt": prompts, "n": list(range(len(prompts)))}
+    else:
+        columns = {"input_ids": [tokenizer(p)["input_ids"] for p in prompts], "n": list(range(len(prompts)))}
+    in_memory = datasets.Dataset.from_dict(columns).shuffle(seed=1)
+    in_memory.save_to_disk(str(tmp_path / "ds"))
+    on_disk = datasets.load_from_disk(str(tmp_path / "ds"))
+    assert not in_memory.cache_files and on_disk.cache_files
+    a, stats_a = tokenize_prompts(in_memory, tokenizer, max_prompt_length=8)
+    b, stats_b = tokenize_prompts(on_disk, tokenizer, max_prompt_length=8)
+    assert stats_a == stats_b and stats_a.num_truncated >= 1
+    assert sorted(a.column_names) == sorted(b.column_names)
+    assert a.features["input_ids"] == b.features["input_ids"]
+    for name in a.column_names:
+        assert a[name] == b[name], name
+
+
 def test_conversation_ending_with_assistant_is_an_error(tokenizer):
     ds = datasets.Dataset.from_dict(
         {"messages": [user("hi"), [*user("the movie was"), {"role": "assistant", "content": " good"}]]}
