@@ -41,15 +41,12 @@ Losses
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-
-from .cpu_linear import active_onednn_linear
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -1106,9 +1103,6 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
         )
-        # Likewise the linear backend a trainer runs the forward in (cpu_linear.OneDNNLinear): the same
-        # kernel rebuilds the same logits.
-        ctx.linear_backend = active_onednn_linear()
         ctx.mark_non_differentiable(ent)
         return out, ent
 
@@ -1134,10 +1128,7 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             row_lse = lse[r0:r1].unsqueeze(-1)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
-                with (
-                    torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on),
-                    ctx.linear_backend or contextlib.nullcontext(),
-                ):
+                with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                     z = _hidden_tile(h, weight, bias, v0, v1, lse.dtype, temperature)
                 inside = (tok >= v0) & (tok < v1)
                 local = (tok - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
@@ -1159,9 +1150,8 @@ def _hidden_tile(
     h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int, cdt: torch.dtype, temperature: float
 ) -> Tensor:
     """Logits ``(h @ weight[v0:v1].T + bias[v0:v1]) / T`` of one tile, in ``cdt`` (a new tensor)."""
-    # F.linear (the same addmm / matmul as h @ w.T + b) so that a linear backend the trainers enter
-    # (cpu_linear.OneDNNLinear) runs the lm-head tiles too.
-    z = torch.nn.functional.linear(h, weight[v0:v1], bias[v0:v1] if bias is not None else None)
+    w = weight[v0:v1]
+    z = torch.addmm(bias[v0:v1], h, w.t()) if bias is not None else h @ w.t()
     z = z.to(cdt) if z.dtype != cdt else z
     if temperature != 1.0:
         z = z / temperature

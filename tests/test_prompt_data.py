@@ -190,7 +190,7 @@ def test_rows_stay_in_order_after_select_and_results_are_deterministic(kit, toke
 def test_file_backed_and_in_memory_datasets_tokenize_alike(kit, tokenizer, tmp_path, fmt):
     # In-memory datasets are tokenized without datasets.map; file-backed ones (load_dataset, load_from_disk)
     # through map, which caches to disk: the two paths give the same rows, columns and statistics.
-    prompts = list(kit.prompt_dataset("train", n=40)["prompt"]) + ["x " * 30]
+    prompts = [*kit.prompt_dataset("train", n=40)["prompt"], "x " * 30]
     if fmt == "text":
         columns = {"prompt": prompts, "n": list(range(len(prompts)))}
     else:

@@ -782,21 +782,9 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         self.uses_onednn_linear = on
 
     def _linear_backend(self) -> contextlib.AbstractContextManager[Any]:
-        """The context an update or an evaluation runs in: oneDNN's linear where
-        :attr:`uses_onednn_linear` and no model recomputes activations in its backward pass (gradient
-        checkpointing: the recomputation runs outside the context, through PyTorch's linear, and
-        ``torch.utils.checkpoint`` refuses tensors saved in another order), else nothing."""
-        args = self.args
-        if (
-            not self.uses_onednn_linear
-            or args.gradient_checkpointing
-            or getattr(args, "activation_checkpointing", False)
-        ):
-            return contextlib.nullcontext()
-        models = (self.policy, self.value_model)
-        if any(getattr(_base(m), "is_gradient_checkpointing", False) for m in models if m is not None):
-            return contextlib.nullcontext()
-        return OneDNNLinear()
+        """The context an update or an evaluation runs in: oneDNN's linear for the sampling loop's
+        decoding steps where :attr:`uses_onednn_linear`, else nothing."""
+        return OneDNNLinear() if self.uses_onednn_linear else contextlib.nullcontext()
 
     def _synced_generation(self) -> bool:
         """Multi-process ZeRO-3 without gathering the weights: ranks must step generation together."""
