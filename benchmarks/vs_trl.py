@@ -336,6 +336,12 @@ def table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+ONEDNN_NOTE = (
+    "Matmul library: ours runs the linear layers of its sampling loop's decoding steps (one position per "
+    "row) through oneDNN (`onednn_linear=True`, the default on CPU for models with a linear layer of >= "
+    "65,536 weights: the 135M size, not the tiny one); everything else on both sides runs through "
+    "PyTorch's default float32 GEMM (MKL). Same float32 arithmetic, another summation order."
+)
 UNMATCHED = [
     "Rollout log-probs: TRL's PPO takes them from the generation scores (`output_scores`, which keeps the "
     "logits of every generated token: batch x response x vocab floats); ours (PPO and RLOO) from its own "
@@ -345,6 +351,7 @@ UNMATCHED = [
     "fused lm head that never holds the response logits (ours: `fused_lm_head=True`, the default; each "
     "rebuilds the logits in the backward pass); TRL's PPO runs the lm head and a log-softmax over full "
     "logits.",
+    ONEDNN_NOTE,
     "Host memory: ours sets glibc's malloc to keep freed memory in the process (`reuse_host_memory=True`, "
     "the default on CPU); TRL runs with glibc's defaults. TRL users can get the same effect from the "
     "environment (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647`).",
