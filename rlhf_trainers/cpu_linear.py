@@ -13,8 +13,8 @@ chunk), so the shapes are few and the memory bounded (a few MiB); the training a
 many row counts as micro-batch lengths, and routing them through oneDNN made resident memory grow with
 every new length (+127 MiB for 60 lengths x 3 weight shapes), which no speed-up justifies.
 
-How: :class:`OneDNNLinear` is a ``TorchFunctionMode`` that the trainers enter around an update and an
-evaluation. Inside it, an ``F.linear`` whose input has one position per row (``(..., 1, in)``: a decoding
+How: :class:`OneDNNLinear` is a ``TorchFunctionMode`` that the trainers enter around generation (the
+rollout's and evaluation's). Inside it, an ``F.linear`` whose input has one position per row (``(..., 1, in)``: a decoding
 step of the sampling loop, and its lm head), in float32 on CPU, without autograd and without autocast,
 runs as oneDNN's linear; everything else passes through untouched. Nothing is changed in the models (no
 module replaced, no weight copied), and leaving the context restores plain PyTorch. The arithmetic is IEEE

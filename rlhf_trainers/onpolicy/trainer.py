@@ -763,7 +763,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             self._fused_ref = on and self._ref_forward is None and fused_head_matches(self.ref_model)
 
     def _resolve_onednn_linear(self) -> None:
-        """``onednn_linear``: whether updates and evaluation run the float32 linear layers through oneDNN
+        """``onednn_linear``: whether generation runs the decoding steps' linear layers through oneDNN
         (:class:`~rlhf_trainers.cpu_linear.OneDNNLinear`); decided once, at construction."""
         args = self.args
         on = bool(args.onednn_linear) and self.accelerator.device.type == "cpu"
@@ -778,12 +778,13 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 and all(p.dtype == torch.float32 for p in floating)
                 and onednn_linear_available()
             )
-        #: True when updates and evaluation run under :class:`~rlhf_trainers.cpu_linear.OneDNNLinear`.
+        #: True when generation runs under :class:`~rlhf_trainers.cpu_linear.OneDNNLinear`.
         self.uses_onednn_linear = on
 
     def _linear_backend(self) -> contextlib.AbstractContextManager[Any]:
-        """The context an update or an evaluation runs in: oneDNN's linear for the sampling loop's
-        decoding steps where :attr:`uses_onednn_linear`, else nothing."""
+        """The context generation runs in: oneDNN's linear for the decoding steps where
+        :attr:`uses_onednn_linear`, else nothing (the mode sees every torch call made inside it, so it
+        covers generation only)."""
         return OneDNNLinear() if self.uses_onednn_linear else contextlib.nullcontext()
 
     def _synced_generation(self) -> bool:
@@ -838,7 +839,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         synced = self._synced_generation()
         extras: dict[str, torch.Tensor] | None = None
         try:
-            with self._generation_context():
+            with self._generation_context(), self._linear_backend():
                 if args.generation_loop == "builtin" and not synced:
                     samples = sample_completions(
                         policy,
@@ -1461,8 +1462,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         while self.state.global_step < self.num_updates and not self.control.should_training_stop:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             lr = self._get_learning_rate()  # the rate this update trains with
-            with self._linear_backend():
-                metrics = self._update(model, self.state.global_step)
+            metrics = self._update(model, self.state.global_step)
             self.lr_scheduler.step()
             self.state.global_step += 1
             self.state.epoch = self.state.global_step / self.updates_per_data_epoch
@@ -1569,7 +1569,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         scores_all, lengths_all, found_all = [], [], []
         per_source_all: dict[str, list[torch.Tensor]] = defaultdict(list)
         samples: list[dict[str, Any]] = []
-        with torch.random.fork_rng(devices=devices), self.accelerator.autocast(), self._linear_backend():
+        with torch.random.fork_rng(devices=devices), self.accelerator.autocast():
             torch.manual_seed(self.args.seed + 7 + rank * RANK_SEED_STRIDE)
             step = self.args.local_rollout_forward_batch_size
             for s in range(0, len(rows), step):
