@@ -364,7 +364,8 @@ def tokenize_preferences(
         max_length: limit on tokens per side (>= 2), or None for no limit.
         long_pairs: "truncate" or "drop" (see above).
         add_eos: append EOS to text-format sides that lack it.
-        num_proc: processes for ``dataset.map`` (None: this process).
+        num_proc: processes for ``dataset.map`` (None: this process). An in-memory dataset with
+            ``num_proc=None`` is tokenized in this process without ``map`` (no cache file to write).
         vocab_size: if given, every id must be in ``[0, vocab_size)`` (e.g. the size of the reward model's
             input embeddings), which catches pairs tokenized with another tokenizer.
 
@@ -618,9 +619,9 @@ PROMPT_FORMATS: tuple[str, ...] = ("text", "conversational", "tokenized")
 _PROMPT_COLUMNS = ("prompt", "messages", "input_ids")
 
 # Per-row prompt length before truncation, carried through ``dataset.map`` and removed afterwards.
+_LENGTH_COLUMN = "__rlhf_trainers_prompt_length__"
 #: Rows per tokenizer call when an in-memory dataset is tokenized without ``map`` (map's default batch).
 _TOKENIZE_BATCH = 1000
-_LENGTH_COLUMN = "__rlhf_trainers_prompt_length__"
 
 _ACCEPTED_PROMPT_FORMATS = (
     "Accepted prompt formats (the first of the columns 'prompt', 'messages', 'input_ids' is used):\n"
