@@ -831,14 +831,14 @@ def _sample(trainer: Any, prompts: list[Any], seed: int) -> list[dict[str, Any]]
     import torch
     from datasets import Dataset
 
-    from .onpolicy.trainer import _vocab_size
+    from .models import embedding_rows
 
     data = trainer._tokenize(
         Dataset.from_dict({"prompt": prompts}),
         trainer.processing_class,
         trainer.args,
         "samples",
-        _vocab_size(trainer.policy),
+        embedding_rows(trainer.policy),
     )
     batch = trainer.data_collator([data[i] for i in range(len(data))])
     device = trainer.accelerator.device

@@ -820,3 +820,26 @@ def test_the_unwrapped_model_is_cached_per_wrapper(kit, tmp_path, monkeypatch):
     other = PolicyAndValue(kit.load_model("llama-sft"))
     trainer.model_wrapped = other
     assert trainer.policy is other.policy and calls[-1] is other
+
+
+def test_num_eos_tokens_counts_only_eos_inside_responses_when_pad_is_eos(kit, tmp_path):
+    # A tokenizer whose pad token is its EOS token: the padding written after a response's stop token is
+    # EOS too, and must not be counted. With stop_token="eos" each stopped response holds exactly one EOS.
+    tokenizer = kit.load_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    trainer = RLOOTrainer(
+        model=kit.load_model("llama-sft"),
+        processing_class=tokenizer,
+        reward_funcs=true_reward,
+        args=_config(tmp_path, response_length=12, max_steps=3),
+        train_dataset=kit.prompt_dataset("train", n=64),
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "val/num_eos_tokens" in h]
+    completions = trainer.args.per_device_train_batch_size  # one process, one mini-batch
+    assert len(logs) == 3
+    for log in logs:
+        stopped = log["val/stop_token_rate"] * completions
+        assert log["val/num_eos_tokens"] == pytest.approx(stopped)
+    # Some responses stopped before the last position, so padding existed to be miscounted.
+    assert any(0 < log["val/response_length"] < 12 for log in logs)

@@ -39,6 +39,7 @@ from ..models import (
     check_one_label,
     check_onpolicy_models,
     disable_dropout,
+    embedding_rows,
     has_peft_adapter,
     load_reward_model,
     require_peft,
@@ -147,8 +148,6 @@ def fused_head_matches(model: nn.Module) -> bool:
     if parts is None:
         return False
     backbone, head = parts
-    from ..models import embedding_rows
-
     device = head.weight.device
     ids = torch.arange(min(3, embedding_rows(model)), device=device).unsqueeze(0)
     modes = [(m, m.training) for m in model.modules()]
@@ -291,13 +290,6 @@ def _load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model, **dict(kwargs or {}))
-
-
-def _vocab_size(model: nn.Module) -> int:
-    from ..models import _base
-
-    embeddings = _base(model).get_input_embeddings()
-    return int(embeddings.weight.shape[0]) if embeddings.weight.dim() == 2 else int(embeddings.num_embeddings)
 
 
 def _zero3_params(model: nn.Module) -> list[nn.Parameter]:
@@ -449,7 +441,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         self.is_peft = _is_peft_model(policy)
         if ref_model is None and not self.is_peft:
             ref_model = copy_model(policy)
-        vocab = _vocab_size(policy)
+        vocab = embedding_rows(policy)
         if processing_class.pad_token_id >= vocab:
             raise ValueError(
                 f"The tokenizer's pad token id ({processing_class.pad_token_id}) is outside the policy's "
@@ -457,9 +449,9 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 "model.resize_token_embeddings(len(tokenizer)) after adding the pad token, or use a pad token "
                 "the model already has."
             )
-        if ref_model is not None and _vocab_size(ref_model) != vocab:
+        if ref_model is not None and embedding_rows(ref_model) != vocab:
             raise ValueError(
-                f"The reference model's vocabulary ({_vocab_size(ref_model)}) differs from the policy's ({vocab}); "
+                f"The reference model's vocabulary ({embedding_rows(ref_model)}) differs from the policy's ({vocab}); "
                 "the KL penalty compares log-probs of the same token ids, so both must share a tokenizer."
             )
         for m in (policy, ref_model, reward_model, value):
@@ -1325,6 +1317,12 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         non_score = -self.kl_ctl.value * kl_seq
         entropy_seq = -(rollout["logprobs"] * mask).sum(1)
         eos = self.processing_class.eos_token_id
+        response = rollout["response"]
+        # EOS tokens inside each response (up to its length): the padding after it may be EOS as well
+        # (a tokenizer whose pad token is its EOS token).
+        inside = (
+            torch.arange(response.shape[1], device=response.device)[None, :] < rollout["lengths"][:, None]
+        )
         per_row = torch.stack(
             [
                 kl_seq,
@@ -1334,7 +1332,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                 rollout["scores"],
                 rollout["raw_scores"].nan_to_num(0.0),
                 rollout["lengths"].float(),
-                (rollout["response"] == eos).sum(1).float() if eos is not None else torch.zeros_like(kl_seq),
+                ((response == eos) & inside).sum(1).float() if eos is not None else torch.zeros_like(kl_seq),
                 rollout["found_stop"].float(),
                 valid.float(),
             ],
@@ -1553,7 +1551,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
             eval_dataset = self.eval_dataset
         elif "input_ids" not in eval_dataset.column_names or "prompt" in eval_dataset.column_names:
             eval_dataset = self._tokenize(
-                eval_dataset, self.processing_class, self.args, metric_key_prefix, _vocab_size(self.policy)
+                eval_dataset, self.processing_class, self.args, metric_key_prefix, embedding_rows(self.policy)
             )
         if eval_dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (here or at construction).")
