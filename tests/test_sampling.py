@@ -6,6 +6,8 @@ computes for the same tokens, so the rollout can skip that pass."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections import defaultdict
 
 import pytest
@@ -107,6 +109,132 @@ def test_bad_arguments(policy, prompts):
         sample_completions(policy, ids, mask, max_new_tokens=0, pad_token_id=0)
     with pytest.raises(ValueError, match="temperature"):
         sample_completions(policy, ids, mask, max_new_tokens=2, temperature=0.0, pad_token_id=0)
+
+
+# ---- lean decoding steps (LlamaForCausalLM through its modules) ------------------------------------
+
+
+@pytest.fixture
+def forward_calls(monkeypatch) -> dict[str, int]:
+    """Counts calls of the forward of every causal LM class of the kit (class attribute: a patch on the
+    instance would itself make the loop use the forward)."""
+    from transformers import GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM
+
+    calls = {"n": 0}
+    for cls in (LlamaForCausalLM, GPT2LMHeadModel, GPTNeoXForCausalLM):
+        real = cls.forward
+
+        def counting(self, *args, _real=real, **kwargs):
+            calls["n"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", counting)
+    return calls
+
+
+def _both_ways(model, prompts, n=12, temperature=0.7, stop=True, seed=5):
+    tok, ids, mask = prompts
+    runs = []
+    for lean in (True, False):
+        torch.manual_seed(seed)
+        runs.append(
+            sample_completions(
+                model,
+                ids,
+                mask,
+                max_new_tokens=n,
+                temperature=temperature,
+                pad_token_id=tok.pad_token_id,
+                stop_token_ids=[tok.eos_token_id] if stop else [],
+                return_logprobs=True,
+                lean_decoding=lean,
+            )
+        )
+    return runs
+
+
+def _assert_same_samples(lean, plain):
+    assert torch.equal(lean.tokens, plain.tokens)
+    torch.testing.assert_close(lean.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lean.entropy, plain.entropy, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("temperature", "stop"), [(1.0, False), (0.7, True)])
+def test_lean_decoding_samples_what_the_forward_samples(policy, prompts, forward_calls, temperature, stop):
+    lean, plain = _both_ways(policy, prompts, temperature=temperature, stop=stop)
+    _assert_same_samples(lean, plain)
+    # The lean run called the forward once (the prompt pass), the other once per sampled position.
+    assert forward_calls["n"] == 1 + plain.tokens.shape[1]
+    if stop:
+        assert (plain.tokens == prompts[0].eos_token_id).any()  # rows stopped: their padding path ran
+
+
+def test_lean_decoding_grouped_query_attention_and_rope_scaling(kit, prompts, forward_calls):
+    # Fewer key/value heads than query heads and a scaled rotary embedding: both come from the model's
+    # own modules and config.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = kit.load_model("llama-sft").config.to_dict()
+    config = LlamaConfig(
+        **{
+            **base,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        }
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    lean, plain = _both_ways(model, prompts, temperature=1.0, stop=False)
+    _assert_same_samples(lean, plain)
+    assert forward_calls["n"] == 1 + plain.tokens.shape[1]
+
+
+def test_lean_decoding_under_a_lora_adapter_and_with_it_disabled(policy, prompts, forward_calls):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        copy.deepcopy(policy),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    ).eval()
+    with torch.no_grad():  # a trained adapter: B = 0 at initialisation would make it a no-op
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    for context in (contextlib.nullcontext(), model.disable_adapter()):
+        forward_calls["n"] = 0
+        with context:
+            lean, plain = _both_ways(model, prompts)
+        _assert_same_samples(lean, plain)
+        assert forward_calls["n"] == 1 + plain.tokens.shape[1]
+    torch.manual_seed(5)
+    with_adapter = _both_ways(model, prompts)[0]
+    with model.disable_adapter():
+        without = _both_ways(model, prompts)[0]
+    assert not torch.equal(with_adapter.logprobs, without.logprobs)  # the adapter took part
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gpt_neox", "forward_hook", "forward_pre_hook", "instance_forward"])
+def test_what_the_lean_steps_cannot_reproduce_runs_the_forward_every_step(kit, prompts, forward_calls, case):
+    model = kit.load_model(case if case in ("gpt2", "gpt_neox") else "llama-sft").eval()
+    seen = []
+    if case == "forward_hook":  # e.g. an activation probe on a decoder layer: it must see every step
+        model.model.layers[0].register_forward_hook(lambda *a: seen.append(1))
+    elif case == "forward_pre_hook":
+        model.register_forward_pre_hook(lambda *a: seen.append(1))
+    elif case == "instance_forward":  # e.g. accelerate's mixed-precision wrapper around forward
+        real = model.forward
+
+        def wrapped(*args, **kwargs):
+            seen.append(1)
+            return real(*args, **kwargs)
+
+        model.forward = wrapped
+    lean, plain = _both_ways(model, prompts, stop=False)
+    assert torch.equal(lean.tokens, plain.tokens)
+    steps = plain.tokens.shape[1]
+    assert forward_calls["n"] == 2 * steps  # the forward ran at every step, lean_decoding or not
+    if case not in ("gpt2", "gpt_neox"):
+        assert len(seen) == 2 * steps
 
 
 # ---- in the trainer ------------------------------------------------------------------------------

@@ -842,6 +842,7 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
                         pad_token_id=pad_id,
                         stop_token_ids=stop_ids,
                         return_logprobs=with_logprobs,
+                        lean_decoding=args.lean_decoding,
                     )
                     response = samples.tokens
                     if with_logprobs:
