@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -92,6 +93,28 @@ def test_help_documents_every_config_field(command, capsys):
             )
             documented += dataclass_type is config_class
     assert documented == len(dataclasses.fields(config_class)) > 100
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_help_lists_the_trainers_own_settings_before_the_inherited_ones(command, capsys):
+    from transformers import TrainingArguments
+
+    out = _help(capsys, [command, "--help"])
+    config_class = COMMANDS[command][-1]
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = [f.name for f in dataclasses.fields(config_class) if f.name not in inherited]
+    own_title = f"{config_class.__name__} (this trainer's settings):"
+    inherited_title = "transformers.TrainingArguments (inherited):"
+    assert own and out.index(own_title) < out.index(inherited_title)
+
+    def entry(name: str) -> int:  # where the flag's help entry starts (not its mention in the usage line)
+        return re.search(rf"\n {{2}}--{name}\b", out).start()
+
+    # Every own flag is printed between the two titles, every inherited one after the second.
+    for name in own:
+        assert out.index(own_title) < entry(name) < out.index(inherited_title), name
+    for name in ("output_dir", "learning_rate", "per_device_train_batch_size"):
+        assert entry(name) > out.index(inherited_title), name
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))

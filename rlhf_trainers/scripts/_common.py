@@ -8,6 +8,8 @@ inside the functions that need them.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import difflib
 import json
 import logging
@@ -216,6 +218,33 @@ def _unknown_arguments_message(parser: HfArgumentParser, unknown: Sequence[str])
     return f"unknown flag(s): {', '.join(problems)}. Run `{parser.prog} --help` to list the flags."
 
 
+def _group_config_flags(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]) -> None:
+    """List a ``TrainingArguments`` subclass's own flags in ``--help`` before the ~100 it inherits.
+
+    ``HfArgumentParser`` adds a dataclass's fields in definition order, so a config's own fields (the
+    trainer's: ``kl_coef``, ``rloo_k``...) came after every ``TrainingArguments`` field, some 700 lines
+    into the help. This moves each flag into one of two titled groups (what ``--help`` prints; parsing is
+    unchanged): the config's own fields first, then the inherited ones.
+    """
+    from transformers import TrainingArguments
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    for dtype in dataclass_types:
+        if not (isinstance(dtype, type) and issubclass(dtype, TrainingArguments)):
+            continue
+        own = {f.name for f in dataclasses.fields(dtype)} - inherited
+        groups = (
+            (parser.add_argument_group(f"{dtype.__name__} (this trainer's settings)"), own),
+            (parser.add_argument_group("transformers.TrainingArguments (inherited)"), inherited),
+        )
+        for action in list(parser._optionals._group_actions):
+            for group, names in groups:
+                if action.dest in names:
+                    parser._optionals._group_actions.remove(action)
+                    group._group_actions.append(action)
+                    break
+
+
 def parse_args(
     dataclass_types: Sequence[type],
     argv: Sequence[str] | None = None,
@@ -247,6 +276,7 @@ def parse_args(
     parser = HfArgumentParser(
         dataclass_types, prog=prog, description=description, epilog=epilog, allow_abbrev=False
     )
+    _group_config_flags(parser, dataclass_types)
     wants_help = "-h" in args or "--help" in args
     if kit_defaults and not wants_help and not flag_given("model_name_or_path", args):
         args = [
