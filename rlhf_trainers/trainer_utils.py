@@ -100,6 +100,32 @@ class EvaluateBeforeTrainMixin:
 STAGING_PREFIX = ".incomplete-"
 
 
+def check_zero_offload_optimizer(ds_config: dict[str, Any]) -> None:
+    """ValueError for a DeepSpeed config that offloads the optimizer without saying which one to run.
+
+    With ``zero_optimization.offload_optimizer.device`` ``"cpu"`` or ``"nvme"`` and no ``"optimizer"``
+    section, DeepSpeed is handed the trainer's torch optimizer, and ``deepspeed.initialize`` refuses it at
+    the start of ``train()`` (ZeRO-Offload wants its own CPU Adam), after the models were loaded and the
+    trainer built. Checked at config construction instead, unless ``"zero_force_ds_cpu_optimizer": false``
+    asks DeepSpeed to accept the torch optimizer.
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
+    device = offload.get("device") if isinstance(offload, dict) else None
+    if device not in ("cpu", "nvme") or "optimizer" in ds_config:
+        return
+    if ds_config.get("zero_force_ds_cpu_optimizer", True) is False:
+        return
+    raise ValueError(
+        f"The DeepSpeed config offloads the optimizer (zero_optimization.offload_optimizer.device={device!r}) but "
+        "has no 'optimizer' section: DeepSpeed would then get the trainer's torch optimizer and refuse it when "
+        "train() starts (ZeRO-Offload runs its own CPU Adam). Add an optimizer section, e.g. "
+        '"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", '
+        '"weight_decay": "auto"}} (with tf_style_adam=False for PPO/RLOO), or set '
+        '"zero_force_ds_cpu_optimizer": false to run the torch optimizer on the CPU (slower).'
+    )
+
+
 @dataclass
 class ReliabilityArguments:
     """Fields shared by every config of this package (mixed into the ``TrainingArguments`` subclasses)."""
@@ -141,6 +167,10 @@ class ReliabilityArguments:
     )
 
     def _check_reliability_fields(self) -> None:
+        plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
+        ds_config = getattr(plugin, "deepspeed_config", None)
+        if isinstance(ds_config, dict):
+            check_zero_offload_optimizer(ds_config)
         if not isinstance(self.max_nonfinite_steps, int) or isinstance(self.max_nonfinite_steps, bool):
             raise TypeError(f"max_nonfinite_steps must be an integer >= 0, got {self.max_nonfinite_steps!r}.")
         if self.max_nonfinite_steps < 0:

@@ -615,6 +615,23 @@ CASES: list[Case] = [
         ),
     ),
     Case(
+        "DeepSpeed optimizer offload without an optimizer section",
+        TRAINERS,
+        lambda a, t: {
+            "config": {
+                "deepspeed": {
+                    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                    **DS_BATCH,
+                }
+            }
+        },
+        (
+            r"offloads the optimizer \(zero_optimization\.offload_optimizer\.device='cpu'\) but has no 'optimizer'",
+            r"refuse it when train\(\) starts",
+            r'"zero_force_ds_cpu_optimizer": false',
+        ),
+    ),
+    Case(
         "ZeRO-3 without gathering the weights on save",
         ONPOLICY,
         lambda a, t: {"config": {"deepspeed": {"zero_optimization": {"stage": 3}, **DS_BATCH}}},
@@ -797,3 +814,19 @@ def test_every_issue_item_has_a_case():
         assert item in names, item
     for trainer in TRAINERS:
         assert sum(trainer in case.trainers for case in CASES) >= 12, trainer
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize(
+    "extra",
+    [DS_OPTIMIZER, {"zero_force_ds_cpu_optimizer": False}],
+    ids=["optimizer section", "zero_force_ds_cpu_optimizer false"],
+)
+def test_optimizer_offload_that_deepspeed_accepts_constructs(trainer, extra, tmp_path, no_deepspeed_state):
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    config = CONFIG_CLASSES[trainer](
+        output_dir=str(tmp_path), report_to="none", deepspeed={"zero_optimization": zero, **DS_BATCH, **extra}
+    )
+    assert (
+        config.deepspeed_plugin.deepspeed_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    )
