@@ -165,9 +165,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("mean true reward of sampled completions")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
-    reward = (
-        "true reward as a reward function" if report.get("rloo_reward") == "true" else "same reward model"
-    )
+    reward = {
+        "true": "true reward as a reward function",
+        "model-text": "same reward model on the same text",
+    }.get(report.get("rloo_reward", "model"), "same reward model")
     fig.suptitle(f"Offline kit task, tiny Llama, {reward} for all (thin lines: single seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -218,7 +219,8 @@ NOTES = [
     "With a reward model, TRL's RLOO decodes each completion (dropping special tokens, so the EOS) and "
     "re-tokenizes prompt + completion text: the reward model reads the last word instead of the EOS it "
     "was trained to end on. Ours and TRL's PPO score the token ids, EOS included. The two RLOO sides "
-    "therefore optimise different rewards from the same model (`--rloo-reward true` removes this).",
+    "therefore optimise different rewards from the same model (`--rloo-reward model-text` gives our RLOO "
+    "the same text scoring through a reward function; `--rloo-reward true` scores both with the true reward).",
     "TRL's PPO never clips gradients; ours and TRL's RLOO clip at `max_grad_norm=1.0`.",
     "TRL's RLOO shuffles a generation batch once and reuses the same mini-batches in every epoch "
     "(`num_iterations`); ours and TRL's PPO reshuffle every epoch.",
@@ -233,6 +235,12 @@ def settings_text(report: dict[str, Any]) -> str:
     algos = sorted({r["algo"] for r in report["results"]})
     if report.get("rloo_reward", "model") == "true":
         source = "reward: the hidden true reward as a reward function (`true_reward`), on both sides"
+    elif report.get("rloo_reward") == "model-text":
+        source = (
+            f"reward: the reward model (llama-sft + head trained by our RewardTrainer, held-out pair accuracy "
+            f"{rm['test_accuracy']:.3f}) on prompt + completion text without special tokens, re-tokenized: "
+            "TRL's RLOO does this itself, ours through a reward function that does the same"
+        )
     else:
         source = (
             f"reward model = llama-sft + head trained by our RewardTrainer (held-out pair accuracy "
@@ -277,10 +285,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
         "--rloo-reward",
-        choices=["model", "true"],
+        choices=["model", "model-text", "true"],
         default="model",
-        help="RLOO's reward: the trained reward model, or the hidden true reward as a reward function (both "
-        "sides support one; TRL 1.12's PPO does not, so PPO always uses the model)",
+        help="RLOO's reward: the trained reward model; 'model-text': the same model, but our RLOO scores "
+        "through a reward function that does what TRL's RLOO does with a reward model (prompt + completion "
+        "text without special tokens, re-tokenized), so both sides optimise the same reward; or the hidden "
+        "true reward as a reward function (both sides support one; TRL 1.12's PPO does not, so PPO always "
+        "uses the model)",
     )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (0: torch's default)"
@@ -339,7 +350,7 @@ def main() -> None:
                     "settings": {
                         **settings,
                         "seed": seed,
-                        "reward_source": args.rloo_reward if algo == "rloo" else "model",
+                        "reward_source": args.rloo_reward.replace("-", "_") if algo == "rloo" else "model",
                     },
                 }
                 name = f"learning-{impl}-{algo}-seed{seed}"

@@ -128,6 +128,27 @@ class PhaseTimers:
 # ---- the hidden true reward, without importing this project -------------------------------------------
 
 
+def text_reward_function(model: Any, tokenizer: Any) -> Callable[..., list[float]]:
+    """A reward function that scores like TRL's RLOO scores with a reward model (reward_source
+    "model_text"): prompt text + completion text (decoded without special tokens, so without the EOS),
+    tokenized without special tokens, right-padded, the model's first logit. Given to our RLOO, both sides
+    optimise the same reward."""
+    import torch
+
+    @torch.no_grad()
+    def score(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        batch = tokenizer(
+            [p + c for p, c in zip(prompts, completions, strict=True)],
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+            add_special_tokens=False,
+        )
+        return model(**batch).logits[:, 0].float().tolist()
+
+    return score
+
+
 def load_true_reward(testing_py: str) -> Callable[..., list[float]]:
     spec = importlib.util.spec_from_file_location("_kit_testing_standalone", testing_py)
     module = importlib.util.module_from_spec(spec)
@@ -419,9 +440,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     rss_imports = rss_mib()
     prompts = json.loads(Path(spec["prompts"]).read_text())
     reward_source = s.get("reward_source", "model")
-    if reward_source == "true" and algo != "rloo":
+    if reward_source != "model" and algo != "rloo":
         raise SystemExit(
-            "reward_source 'true' (a reward function) is for RLOO only: TRL 1.12's PPO needs a model"
+            f"reward_source {reward_source!r} (a reward function) is for RLOO only: TRL 1.12's PPO needs a model"
         )
     need_true = s.get("eval_every") or reward_source == "true"
     true_reward = load_true_reward(spec["testing_py"]) if need_true else None
@@ -436,6 +457,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if reward_source == "true"
         else AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32)
     )
+    if reward_source == "model_text" and impl == "ours":
+        reward = text_reward_function(reward, AutoTokenizer.from_pretrained(spec["reward"]))
     value = (
         AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32)
         if algo == "ppo"

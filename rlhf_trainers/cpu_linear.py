@@ -6,12 +6,20 @@ oneDNN, also inside every x86 torch wheel (``torch.ops.mkldnn``), streams the we
 AMD EPYC machines this project is measured on: the 49152 x 576 lm head of SmolLM2-135M takes 37 ms with
 MKL and 8 ms with oneDNN for 8 rows, and a 32-token rollout of that model 3.6 -> 2.5 s.
 
-Why only there: oneDNN generates and keeps machine code for every distinct matrix shape it meets (about
-0.4-0.7 MiB per (rows, in, out) shape, measured with torch 2.13 / oneDNN 3.12, and not released by
-lowering ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). A decoding step has a fixed number of rows (the rollout
-chunk), so the shapes are few and the memory bounded (a few MiB); the training and scoring passes have as
-many row counts as micro-batch lengths, and routing them through oneDNN made resident memory grow with
-every new length (+127 MiB for 60 lengths x 3 weight shapes), which no speed-up justifies.
+Why only there: oneDNN generates machine code for every distinct matrix shape it meets (about 0.4-0.7 MiB
+per (rows, in, out) shape, measured with torch 2.13 / oneDNN 3.12), and two caches of 1024 entries each
+keep it: oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and the one ideep, PyTorch's
+oneDNN wrapper, keeps in front of it (``LRU_CACHE_CAPACITY``); both are read once, at the process's first
+oneDNN call, and lowering only one of them releases little. A decoding step has a fixed number of rows
+(the rollout chunk), so its shapes are few and the memory bounded (a few MiB). The training and scoring
+passes have as many row counts as micro-batch lengths: routed through oneDNN with the default capacities,
+resident memory grew with every new length (+490 MiB for 300 row counts x 3 weight shapes). Capping both
+caches at 32 entries before the first call bounds that growth (+38 MiB for the same shapes), but it is a
+process-wide setting, and on the machine instance measured last the gain it would buy was small: oneDNN
+ran a micro-batch's forward and input-gradient GEMMs 8-36 % faster than MKL, and a forward and backward
+pass of SmolLM2-135M on 4 x 60 tokens took 1.52-1.63 s against MKL's 1.58 s (an earlier A/B of whole
+updates, on another instance, had shown 1.3x). So training stays on PyTorch's default.
+``benchmarks/onednn_shapes.py`` measures both: the GEMM rates and the memory growth.
 
 How: :class:`OneDNNLinear` is a ``TorchFunctionMode`` that the trainers enter around generation (the
 rollout's and evaluation's). Inside it, an ``F.linear`` whose input has one position per row (``(..., 1, in)``: a decoding
