@@ -10,12 +10,14 @@ gain and bias in the model's config.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +70,28 @@ def has_peft_adapter(model: Any) -> bool:
     """Whether `model` already carries a PEFT adapter: a ``PeftModel``, or a transformers model whose
     adapter was loaded with ``load_adapter`` (or ``from_pretrained`` of an adapter folder)."""
     return _is_peft_model(model) or bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+@contextlib.contextmanager
+def generation_config_set_aside(model: Any) -> Iterator[None]:
+    """Inside the context, the model's own ``generation_config`` is replaced by a blank one.
+
+    ``generate()`` fills every setting its ``generation_config=`` argument leaves unset (a
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens``... from a Hub checkpoint's
+    ``generation_config.json``) from the model's own, so sampling could silently follow another
+    distribution than ``softmax(logits / T)``. The original is restored on exit.
+    """
+    from transformers import GenerationConfig
+
+    base = _base(model)
+    saved = getattr(base, "generation_config", None)
+    if saved is not None:
+        base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            base.generation_config = saved
 
 
 def embedding_rows(model: Any) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import functional as F
-from .models import align_pad_token, check_one_label, get_reward_normalization
+from .models import align_pad_token, check_one_label, generation_config_set_aside, get_reward_normalization
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +78,27 @@ def sample_completions(
     batch_size: int = 64,
 ) -> list[str]:
     """Sample one completion per prompt with the seed's settings (top-k 0, top-p 1, ``temperature``),
-    stopping at EOS; returns the decoded completions without special tokens."""
+    stopping at EOS; returns the decoded completions without special tokens. Nothing comes from the
+    model's own ``generation_config`` (it is set aside during the call), so the samples follow
+    ``softmax(logits / temperature)`` whatever a Hub checkpoint's ``generation_config.json`` says."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=True,
+    )
     texts = render_prompts(prompts, tokenizer)
     device = next(policy.parameters()).device
     completions: list[str] = []
     was_training = policy.training
     policy.eval()
-    with _full_params(policy):
+    with _full_params(policy), generation_config_set_aside(policy):
         for start in range(0, len(texts), batch_size):
             enc = tokenizer(
                 texts[start : start + batch_size],
@@ -93,16 +107,7 @@ def sample_completions(
                 padding_side="left",
                 add_special_tokens=False,
             ).to(device)
-            out = policy.generate(
-                **enc,
-                max_new_tokens=response_length,
-                do_sample=True,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
+            out = policy.generate(**enc, generation_config=config)
             response = F.truncate_response(
                 out[:, enc["input_ids"].shape[1] :], tokenizer.eos_token_id, tokenizer.pad_token_id
             )

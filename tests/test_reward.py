@@ -397,3 +397,27 @@ def test_normalization_requires_policy_and_prompts(kit, tmp_path):
             _config(tmp_path, reward_normalization="after"),
             train_dataset=kit.preference_dataset("train", n=8),
         )
+
+
+def test_normalization_samples_ignore_the_policys_generation_config(kit):
+    # The reference-policy samples that fit the reward normalization follow softmax(logits / T): settings
+    # in the checkpoint's generation_config.json (here a repetition penalty and a suppressed EOS) must not
+    # change them.
+    tok = kit.load_tokenizer()
+    prompts = list(kit.prompt_dataset("train", n=32)["prompt"])
+    plain = kit.load_model("llama-sft")
+    tweaked = kit.load_model("llama-sft")
+    tweaked.generation_config.repetition_penalty = 3.0
+    tweaked.generation_config.suppress_tokens = [tok.eos_token_id]
+    torch.manual_seed(4)
+    want = sample_completions(plain, tok, prompts, response_length=12)
+    torch.manual_seed(4)
+    got = sample_completions(tweaked, tok, prompts, response_length=12)
+    assert got == want
+    assert tweaked.generation_config.repetition_penalty == 3.0  # set aside, then restored
+    # With the settings applied (what generate() did with them left in place), the samples differ.
+    torch.manual_seed(4)
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    leaked = tweaked.generate(**enc, max_new_tokens=12, do_sample=True, top_k=0, top_p=1.0)
+    leaked_text = tok.batch_decode(leaked[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert leaked_text != want

@@ -40,6 +40,7 @@ from ..models import (
     check_onpolicy_models,
     disable_dropout,
     embedding_rows,
+    generation_config_set_aside,
     has_peft_adapter,
     load_reward_model,
     require_peft,
@@ -114,7 +115,6 @@ def fused_head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """``(backbone, lm_head)`` of a causal LM (under a PEFT wrapper too) whose lm head is a plain
     ``nn.Linear`` without forward hooks; None otherwise (an adapter on the lm head, no backbone
     attribute, a hook that the fused path would skip)."""
-    from ..models import _base
 
     try:
         base = _base(model)
@@ -240,7 +240,7 @@ def token_values(
 ) -> torch.Tensor:
     """Per-token outputs (B, T) of a one-label sequence-classification model: its head applied to every
     hidden state, not only the last one (the value of each prefix)."""
-    from ..models import _base, find_score_head
+    from ..models import find_score_head
 
     base = _base(model)
     backbone = getattr(base, base.base_model_prefix)
@@ -894,17 +894,10 @@ class OnPolicyTrainer(AtomicCheckpointMixin, Trainer):
         )
         # generate() fills what `config` leaves unset (repetition_penalty, no_repeat_ngram_size,
         # suppress_tokens, ...) from the model's own generation_config: set a blank one aside meanwhile.
-        base = _base(policy)
-        saved = getattr(base, "generation_config", None)
-        if saved is not None:
-            base.generation_config = GenerationConfig()
-        try:
+        with generation_config_set_aside(policy):
             out = policy.generate(
                 input_ids=query, attention_mask=query_mask, generation_config=config, synced_gpus=synced
             )
-        finally:
-            if saved is not None:
-                base.generation_config = saved
         sequences = out.sequences if with_logprobs else out
         response = sequences[:, query.shape[1] :]
         if not with_logprobs:
