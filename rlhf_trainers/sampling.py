@@ -27,7 +27,6 @@ dropout in training mode, a torch without grouped-query SDPA, several processes)
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -286,14 +285,9 @@ def _plain_llama(model: nn.Module) -> nn.Module | None:
     return lm
 
 
-@functools.cache
 def _sdpa_has_gqa() -> bool:
-    """Whether this torch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5); checked
-    once, at the first lean decoding (not at import)."""
-    q = torch.zeros(1, 2, 1, 4)
-    kv = torch.zeros(1, 1, 1, 4)
-    try:
-        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-    except (TypeError, RuntimeError):
-        return False
-    return True
+    """Whether this torch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5), from the
+    version: no probing call (a grouped-query SDPA call on CPU was the one new kernel in the multi-process
+    runs that aborted at exit)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
