@@ -8,6 +8,7 @@ reference code in this file, never by calling the function under test a second t
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -1084,14 +1085,30 @@ def test_every_function_accepts_fp32_fp64_bf16_and_stays_finite(dtype):
 
 
 def test_all_lists_public_names():
-    defined_here = {
+    """The package re-exports every public name of its modules, and only those."""
+    modules = {name: obj for name, obj in vars(F).items() if isinstance(obj, types.ModuleType)}
+    assert set(modules) == {
+        "advantages",
+        "kl",
+        "logprob_kernels",
+        "losses",
+        "responses",
+        "reward_shaping",
+        "stats",
+        "_common",
+    }
+    defined_in_modules = {
         name
         for name, obj in vars(F).items()
-        if not name.startswith("_") and getattr(obj, "__module__", None) == F.__name__
+        if not name.startswith("_") and getattr(obj, "__module__", "").startswith(F.__name__ + ".")
     }
     constants = {"KL_ESTIMATORS", "LOSS_AGG_MODES", "REJECTION_MODES"}
-    assert set(F.__all__) == defined_here | constants
-    for name in defined_here:
+    assert set(F.__all__) == defined_in_modules | constants
+    assert set(F.__all__) == {name for module in modules.values() for name in getattr(module, "__all__", [])}
+    for name in F.__all__:
+        owner = next(m for m in modules.values() if name in getattr(m, "__all__", []))
+        assert getattr(F, name) is getattr(owner, name), name
+    for name in defined_in_modules:
         assert getattr(F, name).__doc__, name
 
 
