@@ -550,6 +550,84 @@ def test_rloo_advantages_with_trailing_dims_and_k2():
     assert F.rloo_advantages(rewards.bfloat16(), 2).dtype == torch.bfloat16
 
 
+def trainer_leave_one_out(values, valid, k):
+    """The formula of rlhf_trainers.rloo.leave_one_out at the time rloo_advantages(valid=) was added,
+    copied so that the two stay equal to the last bit."""
+    v = values.reshape(k, -1).double()
+    m = valid.reshape(k, -1).to(v.dtype)
+    others = m.sum(0, keepdim=True) - m
+    baseline = ((v * m).sum(0, keepdim=True) - v * m) / others.clamp_min(1)
+    adv = torch.where((others > 0) & (m > 0), v - baseline, torch.zeros_like(v))
+    return adv.reshape(-1).to(values.dtype)
+
+
+def blog_leave_one_out_float32(rewards, k):
+    """rloo_advantages(rewards, k) before valid= existed, for float32 rewards."""
+    grouped = rewards.float().reshape(k, rewards.shape[0] // k, *rewards.shape[1:])
+    baseline = (grouped.sum(0, keepdim=True) - grouped) / (k - 1)
+    return (grouped - baseline).reshape(rewards.shape)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rloo_advantages_with_valid_equal_the_trainers_leave_one_out_bit_for_bit(seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(2, 6, (), generator=gen))
+    prompts = int(torch.randint(1, 9, (), generator=gen))
+    rewards = torch.randn(k * prompts, generator=gen) * 10 ** float(torch.randint(-3, 4, (), generator=gen))
+    # a fraction of invalid completions from none to all, so that prompts with 0, 1 and several valid
+    # completions all occur across the seeds
+    valid = torch.rand(k * prompts, generator=gen) < float(torch.rand((), generator=gen))
+    adv = F.rloo_advantages(rewards, k, valid)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv, trainer_leave_one_out(rewards, valid, k))
+    # 0/1 masks mean the same as bool ones
+    assert torch.equal(F.rloo_advantages(rewards, k, valid.long()), adv)
+
+
+def test_rloo_advantages_with_valid_by_hand():
+    # k=3, B=2: prompt 0 has rewards 1, 2, 4 with the last invalid; prompt 1 has a single valid one
+    rewards = t([1.0, 10.0, 2.0, 20.0, 4.0, 30.0])
+    valid = torch.tensor([True, False, True, True, False, False])
+    # prompt 0: baselines are the other valid reward (2 and 1); invalid and lone completions get 0
+    torch.testing.assert_close(F.rloo_advantages(rewards, 3, valid), t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
+    # the invalid completions' rewards are never read: NaN or inf there change nothing
+    dirty = torch.where(valid, rewards, t([math.nan, math.inf, 0.0, -math.inf, math.nan, math.nan]))
+    assert torch.equal(F.rloo_advantages(dirty, 3, valid), F.rloo_advantages(rewards, 3, valid))
+
+
+def test_rloo_advantages_with_all_valid_match_the_unmasked_formula():
+    rewards = torch.randn(4 * 6, generator=torch.Generator().manual_seed(1))
+    all_valid = torch.ones(24, dtype=torch.bool)
+    torch.testing.assert_close(F.rloo_advantages(rewards, 4, all_valid), F.rloo_advantages(rewards, 4))
+    rewards64 = rewards.double()
+    torch.testing.assert_close(
+        F.rloo_advantages(rewards64, 4, all_valid), F.rloo_advantages(rewards64, 4), atol=1e-12, rtol=0
+    )
+
+
+def test_rloo_advantages_without_valid_is_the_blog_formula_bit_for_bit():
+    gen = torch.Generator().manual_seed(2)
+    for shape in [(3 * 5,), (3 * 5, 4)]:
+        rewards = torch.randn(*shape, generator=gen) * 100
+        assert torch.equal(F.rloo_advantages(rewards, 3), blog_leave_one_out_float32(rewards, 3))
+
+
+def test_rloo_advantages_valid_with_trailing_dims_masks_whole_rows():
+    gen = torch.Generator().manual_seed(3)
+    rewards = torch.randn(3 * 4, 5, generator=gen)
+    valid = torch.tensor([True, False, True, True, True, False, False, True, False, True, True, False])
+    adv = F.rloo_advantages(rewards, 3, valid)
+    for column in range(5):
+        assert torch.equal(adv[:, column], F.rloo_advantages(rewards[:, column].contiguous(), 3, valid))
+    assert torch.equal(adv[~valid], torch.zeros_like(adv[~valid]))
+
+
+@pytest.mark.parametrize("valid_shape", [(5,), (6, 1), (3, 2)])
+def test_rloo_advantages_rejects_a_valid_mask_of_the_wrong_shape(valid_shape):
+    with pytest.raises(ValueError, match="valid must be"):
+        F.rloo_advantages(torch.zeros(6), 2, torch.ones(valid_shape, dtype=torch.bool))
+
+
 @pytest.mark.parametrize(
     ("n", "k", "match"), [(8, 1, "rloo_k must be an integer >= 2"), (7, 2, "divisible by rloo_k=2")]
 )

@@ -150,22 +150,31 @@ def _same_lambda(a: float | Tensor, b: float | Tensor) -> bool:
     return a == b
 
 
-def rloo_advantages(rewards: Tensor, k: int) -> Tensor:
+def rloo_advantages(rewards: Tensor, k: int, valid: Tensor | None = None) -> Tensor:
     """REINFORCE Leave-One-Out advantages (RLOO blog, the vectorised implementation).
 
     The baseline of each completion is the mean reward of the OTHER ``k - 1`` completions of the same
     prompt: ``baseline = (sum_over_k - r) / (k - 1)`` and ``advantage = r - baseline``.
+
+    With ``valid``, only valid completions take part: the baseline of a valid completion is the mean
+    reward of the OTHER valid completions of its prompt; an invalid completion (e.g. one whose reward
+    could not be computed) gets advantage 0 and its reward is never read, so a NaN there changes
+    nothing; a completion that is its prompt's only valid one gets 0 (it has no baseline).
 
     Args:
         rewards: flat ``(k * B,)`` tensor (optionally with trailing dims, e.g. ``(k * B, T)``), laid out
             as in the blog: completion ``j`` of prompt ``i`` is at index ``j * B + i`` (the k copies of
             the batch are concatenated, e.g. ``prompts.repeat(k, 1)``).
         k: completions per prompt (``rloo_k``), >= 2.
+        valid: ``(k * B,)`` bool or 0/1, nonzero = the completion takes part (the whole row when
+            ``rewards`` has trailing dims); None = all valid.
 
     Returns:
-        Advantages with the shape and dtype of ``rewards`` (computed in at least float32).  For every
-        prompt they sum to 0 over its k completions, and adding a constant to a prompt's rewards leaves
-        them unchanged.
+        Advantages with the shape and dtype of ``rewards`` (float32 for integer rewards).  Without
+        ``valid`` computed in at least float32; for every prompt they sum to 0 over its k completions,
+        and adding a constant to a prompt's rewards leaves them unchanged.  With ``valid`` computed in
+        float64 (the baselines divide by a count that differs per prompt), and the same holds over each
+        prompt's valid completions.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 2:
         raise ValueError(
@@ -178,7 +187,32 @@ def rloo_advantages(rewards: Tensor, k: int) -> Tensor:
             f"prompts, laid out as index j * B + i), got shape {tuple(rewards.shape)}; pass all k "
             f"completions of every prompt."
         )
+    grouped_shape = (k, rewards.shape[0] // k, *rewards.shape[1:])
+    if valid is not None:
+        return _masked_leave_one_out(rewards, valid, grouped_shape)
     acc = _acc_dtype(rewards)
-    r = rewards.to(acc).reshape(k, rewards.shape[0] // k, *rewards.shape[1:])
-    baseline = (r.sum(0, keepdim=True) - r) / (k - 1)
-    return (r - baseline).reshape(rewards.shape).to(_out_dtype(rewards))
+    grouped = rewards.to(acc).reshape(grouped_shape)
+    baseline = (grouped.sum(0, keepdim=True) - grouped) / (k - 1)
+    return (grouped - baseline).reshape(rewards.shape).to(_out_dtype(rewards))
+
+
+def _masked_leave_one_out(rewards: Tensor, valid: Tensor, grouped_shape: tuple[int, ...]) -> Tensor:
+    """:func:`rloo_advantages` over the valid completions only, in float64."""
+    if tuple(valid.shape) != tuple(rewards.shape[:1]):
+        raise ValueError(
+            f"valid must be ({rewards.shape[0]},), one flag per completion like the rewards' first dim, "
+            f"got shape {tuple(valid.shape)}."
+        )
+    trailing = (1,) * (len(grouped_shape) - 2)
+    is_valid = (valid if valid.dtype == torch.bool else valid != 0).to(rewards.device)
+    is_valid = torch.broadcast_to(is_valid.reshape(*grouped_shape[:2], *trailing), grouped_shape)
+    grouped = rewards.to(torch.float64).reshape(grouped_shape)
+    counted = is_valid.to(torch.float64)
+    others = counted.sum(0, keepdim=True) - counted
+    # torch.where, not grouped * counted: an invalid completion's reward may be NaN, and NaN * 0 = NaN
+    # would reach the baselines of its prompt's valid completions.
+    valid_rewards = _zero_invalid(grouped, is_valid, torch.float64)
+    baseline = (valid_rewards.sum(0, keepdim=True) - valid_rewards) / others.clamp_min(1)
+    has_baseline = (others > 0) & is_valid
+    advantages = torch.where(has_baseline, grouped - baseline, torch.zeros_like(grouped))
+    return advantages.reshape(rewards.shape).to(_out_dtype(rewards))
