@@ -15,7 +15,7 @@ _AllReduce = Callable[[Tensor], Tensor]
 _Dim = int | tuple[int, ...] | None
 
 
-def _acc_dtype(*tensors: Tensor | None) -> torch.dtype:
+def _work_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32: bf16/fp16 sums of a few thousand tokens lose
     whole digits, so every reduction is done in at least float32."""
     for t in tensors:

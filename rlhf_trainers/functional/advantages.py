@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import _acc_dtype, _out_dtype, _valid, _zero_invalid
+from ._common import _out_dtype, _valid, _work_dtype, _zero_invalid
 
 __all__ = ["gae_advantages", "rloo_advantages"]
 
@@ -63,8 +63,8 @@ def gae_advantages(
 
     ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, computed from
     the last token backwards, where "next" means the next VALID token: masked positions leave both
-    running accumulators untouched, and their rewards/values are ignored entirely.  The seed's defaults
-    are ``gamma=1`` (N-implementation-details, "Discount factor = 1") and ``lam=0.95``.
+    running accumulators untouched, and their rewards/values are ignored entirely.  LHPD's defaults
+    are ``gamma=1`` (LHPD, "Discount factor = 1") and ``lam=0.95``.
 
     VAPO decoupled lambdas (NeMo guide): the returns (value targets) use ``lam_value`` (default
     ``lam``); the policy advantages use, in priority order, the length-adaptive
@@ -107,16 +107,16 @@ def gae_advantages(
             f"length_adaptive_alpha must be >= 0 (0 disables it), got {length_adaptive_alpha!r}."
         )
 
-    acc = _acc_dtype(rewards, values)
+    work_dtype = _work_dtype(rewards, values)
     valid = _valid(mask, rewards)
-    r = _zero_invalid(rewards, valid, acc)
-    v = _zero_invalid(values, valid, acc)
-    B = r.shape[0]
+    valid_rewards = _zero_invalid(rewards, valid, work_dtype)
+    valid_values = _zero_invalid(values, valid, work_dtype)
+    batch_size = valid_rewards.shape[0]
 
     lam_ret: float | Tensor = lam if lam_value is None else lam_value
     lam_adv: float | Tensor
     if length_adaptive_alpha > 0:
-        lengths = valid.sum(dim=1).to(acc)
+        lengths = valid.sum(dim=1).to(work_dtype)
         lam_adv = (1.0 - 1.0 / (length_adaptive_alpha * lengths).clamp_min(1.0)).clamp(0.0, 1.0)
     else:
         lam_adv = lam if lam_policy is None else lam_policy
@@ -126,21 +126,26 @@ def gae_advantages(
 
     specs: list[float | Tensor] = [lam_adv] if _same_lambda(lam_adv, lam_ret) else [lam_adv, lam_ret]
     results: list[Tensor | None] = [None] * len(specs)
-    recurse = [i for i, s in enumerate(specs) if not is_exact_one(s)]
-    for i, s in enumerate(specs):
-        if is_exact_one(s):
+    recurse = [i for i, spec in enumerate(specs) if not is_exact_one(spec)]
+    for i, spec in enumerate(specs):
+        if is_exact_one(spec):
             # gamma = lam = 1: the TD errors telescope to (reward-to-go over valid tokens) - V_t.
-            reward_to_go = r.flip(1).cumsum(1).flip(1)
-            results[i] = torch.where(valid, reward_to_go - v, torch.zeros_like(v))
+            reward_to_go = valid_rewards.flip(1).cumsum(1).flip(1)
+            results[i] = torch.where(valid, reward_to_go - valid_values, torch.zeros_like(valid_values))
     if recurse:
-        lams = torch.stack([torch.as_tensor(specs[i], dtype=acc, device=r.device).expand(B) for i in recurse])
-        advs = _gae_recursion(r, v, valid, gamma, lams)
+        lams = torch.stack(
+            [
+                torch.as_tensor(specs[i], dtype=work_dtype, device=valid_rewards.device).expand(batch_size)
+                for i in recurse
+            ]
+        )
+        advs = _gae_recursion(valid_rewards, valid_values, valid, gamma, lams)
         for j, i in enumerate(recurse):
             results[i] = advs[j]
     advantages = results[0]
     gae_ret = results[-1]
     assert advantages is not None and gae_ret is not None
-    returns = torch.where(valid, gae_ret + v, torch.zeros_like(v))
+    returns = torch.where(valid, gae_ret + valid_values, torch.zeros_like(valid_values))
     return advantages, returns
 
 
@@ -190,8 +195,8 @@ def rloo_advantages(rewards: Tensor, k: int, valid: Tensor | None = None) -> Ten
     grouped_shape = (k, rewards.shape[0] // k, *rewards.shape[1:])
     if valid is not None:
         return _masked_leave_one_out(rewards, valid, grouped_shape)
-    acc = _acc_dtype(rewards)
-    grouped = rewards.to(acc).reshape(grouped_shape)
+    work_dtype = _work_dtype(rewards)
+    grouped = rewards.to(work_dtype).reshape(grouped_shape)
     baseline = (grouped.sum(0, keepdim=True) - grouped) / (k - 1)
     return (grouped - baseline).reshape(rewards.shape).to(_out_dtype(rewards))
 

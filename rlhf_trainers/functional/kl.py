@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._common import _acc_dtype, _out_dtype
+from ._common import _out_dtype, _work_dtype
 
 __all__ = ["KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "kl_penalty"]
 
@@ -23,7 +23,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     Estimators from Schulman, "Approximating KL divergence" (with ``d = logprobs - ref_logprobs``):
 
     * ``"k1"``: ``d`` -- unbiased, can be negative per token; what OpenAI adds to the rewards
-      (N-implementation-details, "Per-token KL penalty": ``kl = new_logprobs - logprobs``).
+      (LHPD, "Per-token KL penalty": ``kl = new_logprobs - logprobs``).
     * ``"k2"``: ``0.5 * d**2`` -- always >= 0, low variance, biased.
     * ``"k3"``: ``exp(-d) - 1 + d`` -- always >= 0 and unbiased.
     * ``"abs"``: ``|d|``.
@@ -39,8 +39,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}.")
     out_dtype = torch.promote_types(_out_dtype(logprobs), _out_dtype(ref_logprobs))
-    acc = _acc_dtype(logprobs, ref_logprobs)
-    diff = logprobs.to(acc) - ref_logprobs.to(acc)
+    work_dtype = _work_dtype(logprobs, ref_logprobs)
+    diff = logprobs.to(work_dtype) - ref_logprobs.to(work_dtype)
     if estimator == "k1":
         kl = diff
     elif estimator == "k2":
@@ -63,13 +63,13 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
 
 class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. (2019), exactly as lm-human-preferences writes it
-    (N-implementation-details, "Adaptive KL")::
+    (LHPD, "Adaptive KL")::
 
         proportional_error = clip(current / target - 1, -0.2, 0.2)
         mult = 1 + proportional_error * n_steps / horizon
         value *= mult
 
-    The seed's settings for the stylistic tasks are ``init_kl_coef=0.15, target=6, horizon=10000``.
+    LHPD's settings for the stylistic tasks are ``init_kl_coef=0.15, target=6, horizon=10000``.
 
     Args:
         init_kl_coef: starting coefficient beta (>= 0).
@@ -91,7 +91,7 @@ class AdaptiveKLController:
 
         Args:
             current: the KL measured on the last batch (a float or a one-element tensor).
-            n_steps: how many samples/steps that batch represents (the seed passes the batch size).
+            n_steps: how many samples/steps that batch represents (LHPD passes the batch size).
         """
         current = float(current)
         # A NaN/inf KL would make value NaN forever (and every later reward with it); fail loudly.

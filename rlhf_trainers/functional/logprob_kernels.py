@@ -72,8 +72,8 @@ def _entropy_terms(x: Tensor, lse: Tensor) -> Tensor:
 
 
 def _logprob_grad(shifted: Tensor, g: Tensor, index: Tensor, hits: Tensor, temperature: float) -> Tensor:
-    """Gradient of ``g * (z[tok] - lse(z)) / T`` w.r.t. the logits ``z`` of a chunk:
-    ``(onehot(tok) - softmax(z)) * g / T``, built in place on ``shifted = z - lse`` (a temporary the caller
+    """Gradient of ``g * (z[token_ids] - lse(z)) / T`` w.r.t. the logits ``z`` of a chunk:
+    ``(onehot(token_ids) - softmax(z)) * g / T``, built in place on ``shifted = z - lse`` (a temporary the caller
     owns). ``index`` (n, 1): the token's column in the chunk; ``hits`` (n, 1): ``g`` where the token lies in
     the chunk, 0 elsewhere (a vocabulary tile of the fused head may not contain it)."""
     grad = shifted.exp_().mul_(-g)
@@ -101,54 +101,54 @@ class _TokenLogprob(torch.autograd.Function):
         tokens: Tensor,
         temperature: float,
         chunk_size: int | None,
-        cdt: torch.dtype,
+        dtype: torch.dtype,
         entropy_dtype: torch.dtype | None,
     ) -> tuple[Tensor, Tensor]:
         rows = _as_rows(logits)
-        tok = tokens.reshape(rows.shape[0], rows.shape[1])
-        out = torch.empty(tok.shape, dtype=cdt, device=logits.device)
-        lse = torch.empty(tok.shape, dtype=cdt, device=logits.device)
-        ent_shape = tok.shape if entropy_dtype is not None else (0,)
-        ent = torch.empty(ent_shape, dtype=entropy_dtype or cdt, device=logits.device)
+        token_ids = tokens.reshape(rows.shape[0], rows.shape[1])
+        out = torch.empty(token_ids.shape, dtype=dtype, device=logits.device)
+        lse = torch.empty(token_ids.shape, dtype=dtype, device=logits.device)
+        entropy_shape = token_ids.shape if entropy_dtype is not None else (0,)
+        entropy = torch.empty(entropy_shape, dtype=entropy_dtype or dtype, device=logits.device)
         for p, q0, q1 in _chunks(rows, chunk_size):
-            x = rows[p, q0:q1].to(cdt)
+            x = rows[p, q0:q1].to(dtype)
             if temperature != 1.0:
                 x = x / temperature  # a new tensor: the caller's logits are never scaled in place
             chunk_lse = torch.logsumexp(x, dim=-1)
             lse[p, q0:q1] = chunk_lse
-            out[p, q0:q1] = x.gather(-1, tok[p, q0:q1].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            out[p, q0:q1] = x.gather(-1, token_ids[p, q0:q1].unsqueeze(-1)).squeeze(-1) - chunk_lse
             if entropy_dtype is not None:
-                if entropy_dtype != cdt:
+                if entropy_dtype != dtype:
                     x = rows[p, q0:q1].to(entropy_dtype)
                     if temperature != 1.0:
                         x = x / temperature
                     chunk_lse = torch.logsumexp(x, dim=-1)
-                ent[p, q0:q1] = _entropy_terms(x, chunk_lse)
-        ctx.save_for_backward(logits, tok, lse)
+                entropy[p, q0:q1] = _entropy_terms(x, chunk_lse)
+        ctx.save_for_backward(logits, token_ids, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         if entropy_dtype is not None:
-            ent = ent.reshape(tokens.shape)
-        ctx.mark_non_differentiable(ent)
-        return out.reshape(tokens.shape), ent
+            entropy = entropy.reshape(tokens.shape)
+        ctx.mark_non_differentiable(entropy)
+        return out.reshape(tokens.shape), entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, None, None, None, None, None]:
-        logits, tok, lse = ctx.saved_tensors
+        logits, token_ids, lse = ctx.saved_tensors
         temperature = ctx.temperature
         rows = _as_rows(logits)
         grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
-        g_rows = grad_out.reshape(tok.shape).to(lse.dtype)
+        g_rows = grad_out.reshape(token_ids.shape).to(lse.dtype)
         for p, q0, q1 in _chunks(rows, ctx.chunk_size):
             x = rows[p, q0:q1].to(lse.dtype)
             if temperature != 1.0:
                 x = x / temperature
             g = g_rows[p, q0:q1].unsqueeze(-1)
             shifted = x - lse[p, q0:q1].unsqueeze(-1)  # a chunk-sized temporary (x may be the logits)
-            grad_rows[p, q0:q1] = _logprob_grad(shifted, g, tok[p, q0:q1].unsqueeze(-1), g, temperature)
+            grad_rows[p, q0:q1] = _logprob_grad(shifted, g, token_ids[p, q0:q1].unsqueeze(-1), g, temperature)
         return grad_rows.view(logits.shape), None, None, None, None, None
 
 
@@ -170,7 +170,7 @@ def logprobs_from_logits(
 ) -> Tensor:
     """Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``.
 
-    The logits are divided by the sampling temperature (N-implementation-details, "Scale the logits by
+    The logits are divided by the sampling temperature (LHPD, "Scale the logits by
     sampling temperature"), on a copy: the caller's tensor is not modified.
 
     Memory: the (B, T, V) log-softmax is never materialised; each value is
@@ -193,9 +193,9 @@ def logprobs_from_logits(
     Returns:
         (B, T) log-probabilities in ``compute_dtype``, differentiable w.r.t. ``logits`` (first order).
     """
-    cdt = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
+    dtype = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
     _check_tokens(logits, tokens)
-    logprobs, _ = _TokenLogprob.apply(logits, tokens.long(), float(temperature), chunk_size, cdt, None)
+    logprobs, _ = _TokenLogprob.apply(logits, tokens.long(), float(temperature), chunk_size, dtype, None)
     return logprobs
 
 
@@ -227,11 +227,11 @@ def logprobs_and_entropy_from_logits(
         ``entropy_dtype``, carrying no gradient, the values of :func:`entropy_from_logits` with the same
         arguments.
     """
-    cdt = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
+    dtype = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
     _check_tokens(logits, tokens)
     if not entropy_dtype.is_floating_point:
         raise ValueError(f"entropy_dtype must be a floating dtype, got {entropy_dtype}.")
-    return _TokenLogprob.apply(logits, tokens.long(), float(temperature), chunk_size, cdt, entropy_dtype)
+    return _TokenLogprob.apply(logits, tokens.long(), float(temperature), chunk_size, dtype, entropy_dtype)
 
 
 class _HiddenTokenLogprob(torch.autograd.Function):
@@ -254,23 +254,23 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         temperature: float,
         row_chunk: int,
         vocab_chunk: int,
-        cdt: torch.dtype,
+        dtype: torch.dtype,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         N, V = hidden.shape[0], weight.shape[0]
-        out = torch.empty(N, dtype=cdt, device=hidden.device)
-        lse = torch.empty(N, dtype=cdt, device=hidden.device)
-        ent = torch.empty(N if with_entropy else 0, dtype=cdt, device=hidden.device)
+        out = torch.empty(N, dtype=dtype, device=hidden.device)
+        lse = torch.empty(N, dtype=dtype, device=hidden.device)
+        entropy = torch.empty(N if with_entropy else 0, dtype=dtype, device=hidden.device)
         for r0 in range(0, N, row_chunk):
             r1 = min(r0 + row_chunk, N)
-            h, tok = hidden[r0:r1], tokens[r0:r1]
-            m = torch.full((r1 - r0,), -math.inf, dtype=cdt, device=hidden.device)
+            h, token_ids = hidden[r0:r1], tokens[r0:r1]
+            m = torch.full((r1 - r0,), -math.inf, dtype=dtype, device=hidden.device)
             s = torch.zeros_like(m)
             t = torch.zeros_like(m)
             target = torch.zeros_like(m)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
-                z = _hidden_tile(h, weight, bias, v0, v1, cdt, temperature)
+                z = _hidden_tile(h, weight, bias, v0, v1, dtype, temperature)
                 m_new = torch.maximum(m, z.amax(dim=-1))
                 scale = torch.exp(m - m_new)
                 e = torch.exp(z - m_new.unsqueeze(-1))
@@ -278,14 +278,14 @@ class _HiddenTokenLogprob(torch.autograd.Function):
                 if with_entropy:
                     t = t * scale + (e * z).sum(-1)
                 m = m_new
-                inside = (tok >= v0) & (tok < v1)
-                local = (tok - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
+                inside = (token_ids >= v0) & (token_ids < v1)
+                local = (token_ids - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
                 target = torch.where(inside, z.gather(-1, local).squeeze(-1), target)
             row_lse = m + torch.log(s)
             lse[r0:r1] = row_lse
             out[r0:r1] = target - row_lse
             if with_entropy:
-                ent[r0:r1] = row_lse - t / s
+                entropy[r0:r1] = row_lse - t / s
         ctx.save_for_backward(hidden, weight, bias, tokens, lse)
         ctx.temperature, ctx.row_chunk, ctx.vocab_chunk = temperature, row_chunk, vocab_chunk
         # The backward pass rebuilds the tiles under the forward's autocast state (bf16 autocast: the
@@ -296,8 +296,8 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
         )
-        ctx.mark_non_differentiable(ent)
-        return out, ent
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -317,14 +317,14 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         g_all = grad_out.to(lse.dtype)
         for r0 in range(0, N, row_chunk):
             r1 = min(r0 + row_chunk, N)
-            h, tok, g = hidden[r0:r1], tokens[r0:r1], g_all[r0:r1].unsqueeze(-1)
+            h, token_ids, g = hidden[r0:r1], tokens[r0:r1], g_all[r0:r1].unsqueeze(-1)
             row_lse = lse[r0:r1].unsqueeze(-1)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
                 with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                     z = _hidden_tile(h, weight, bias, v0, v1, lse.dtype, temperature)
-                inside = (tok >= v0) & (tok < v1)
-                local = (tok - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
+                inside = (token_ids >= v0) & (token_ids < v1)
+                local = (token_ids - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
                 hits = g * inside.unsqueeze(-1).to(g.dtype)
                 dz = _logprob_grad(z.sub_(row_lse), g, local, hits, temperature).to(weight.dtype)
                 if grad_h is not None:
@@ -340,12 +340,12 @@ class _HiddenTokenLogprob(torch.autograd.Function):
 
 
 def _hidden_tile(
-    h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int, cdt: torch.dtype, temperature: float
+    h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int, dtype: torch.dtype, temperature: float
 ) -> Tensor:
-    """Logits ``(h @ weight[v0:v1].T + bias[v0:v1]) / T`` of one tile, in ``cdt`` (a new tensor)."""
+    """Logits ``(h @ weight[v0:v1].T + bias[v0:v1]) / T`` of one tile, in ``dtype`` (a new tensor)."""
     w = weight[v0:v1]
     z = torch.addmm(bias[v0:v1], h, w.t()) if bias is not None else h @ w.t()
-    z = z.to(cdt) if z.dtype != cdt else z
+    z = z.to(dtype) if z.dtype != dtype else z
     if temperature != 1.0:
         z = z / temperature
     return z
@@ -402,14 +402,22 @@ def logprobs_and_entropy_from_hidden(
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
     if compute_dtype is not None and not compute_dtype.is_floating_point:
         raise ValueError(f"compute_dtype must be a floating dtype, got {compute_dtype}.")
-    cdt = weight.dtype if compute_dtype is None else compute_dtype
+    dtype = weight.dtype if compute_dtype is None else compute_dtype
     H = hidden.shape[-1]
     flat_h = hidden.reshape(-1, H)
     flat_t = tokens.reshape(-1).long()
-    out, ent = _HiddenTokenLogprob.apply(
-        flat_h, weight, bias, flat_t, float(temperature), row_chunk_size, vocab_chunk_size, cdt, with_entropy
+    out, entropy = _HiddenTokenLogprob.apply(
+        flat_h,
+        weight,
+        bias,
+        flat_t,
+        float(temperature),
+        row_chunk_size,
+        vocab_chunk_size,
+        dtype,
+        with_entropy,
     )
-    return out.reshape(tokens.shape), (ent.reshape(tokens.shape) if with_entropy else None)
+    return out.reshape(tokens.shape), (entropy.reshape(tokens.shape) if with_entropy else None)
 
 
 def entropy_from_logits(
@@ -435,13 +443,13 @@ def entropy_from_logits(
         (B, T) entropies in nats, >= 0, in ``compute_dtype``.  Entries of ``-inf`` (top-k/top-p
         filtered vocabulary) contribute 0 rather than ``0 * -inf = NaN``.
     """
-    cdt = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
+    dtype = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
     rows = _as_rows(logits)
     if rows.shape[0] * rows.shape[1] == 0:
-        return torch.zeros(logits.shape[:-1], dtype=cdt, device=logits.device)
+        return torch.zeros(logits.shape[:-1], dtype=dtype, device=logits.device)
     per_row: list[list[Tensor]] = [[] for _ in range(rows.shape[0])]
     for p, q0, q1 in _chunks(rows, chunk_size):
-        x = rows[p, q0:q1].to(cdt)
+        x = rows[p, q0:q1].to(dtype)
         if temperature != 1.0:
             x = x / temperature
         per_row[p].append(_entropy_terms(x, torch.logsumexp(x, dim=-1)))

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._common import _acc_dtype, _valid, _zero_invalid
+from ._common import _valid, _work_dtype, _zero_invalid
 from .stats import masked_mean, masked_var
 
 __all__ = ["LOSS_AGG_MODES", "clipped_policy_loss", "clipped_value_loss"]
@@ -104,39 +104,41 @@ def clipped_policy_loss(
         raise ValueError(f"dual_clip (ratio_clip_c) must be > 1 or None to disable it, got {dual_clip!r}.")
     _check_agg_mode(loss_agg_mode)
 
-    acc = _acc_dtype(logprobs, old_logprobs, advantages)
+    work_dtype = _work_dtype(logprobs, old_logprobs, advantages)
     valid = _valid(mask, logprobs)
-    zero = torch.zeros((), dtype=acc, device=logprobs.device)
+    zero = torch.zeros((), dtype=work_dtype, device=logprobs.device)
     # Masked tokens get log-ratio 0 before exp: padding log-probs may be garbage (a large difference
     # would overflow exp, and inf * 0 = NaN in the gradient).
-    log_ratio = torch.where(valid, logprobs.to(acc) - old_logprobs.detach().to(acc), zero)
-    adv = torch.where(valid, torch.broadcast_to(advantages.detach().to(acc), valid.shape), zero)
+    log_ratio = torch.where(valid, logprobs.to(work_dtype) - old_logprobs.detach().to(work_dtype), zero)
+    valid_advantages = torch.where(
+        valid, torch.broadcast_to(advantages.detach().to(work_dtype), valid.shape), zero
+    )
     ratio = torch.exp(log_ratio)
-    pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg1 = -valid_advantages * ratio
+    pg2 = -valid_advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(pg1, pg2)
     clipped = pg2 > pg1
     dual_active = torch.zeros_like(valid)
     if dual_clip is not None:
-        cap = -adv * dual_clip
-        dual_active = (adv < 0) & (per_token > cap)
-        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+        cap = -valid_advantages * dual_clip
+        dual_active = (valid_advantages < 0) & (per_token > cap)
+        per_token = torch.where(valid_advantages < 0, torch.minimum(per_token, cap), per_token)
     if importance_weights is not None:
-        per_token = per_token * _zero_invalid(importance_weights.detach(), valid, acc)
+        per_token = per_token * _zero_invalid(importance_weights.detach(), valid, work_dtype)
     per_token = torch.where(valid, per_token, zero)
     loss = _aggregate(per_token, valid, loss_agg_mode, denominator)
 
     with torch.no_grad():
-        r = ratio.detach().float()
+        ratio_float = ratio.detach().float()
         has = valid.any()  # stays a tensor: no host sync per micro-batch just for logging
         metrics = {
             "clipfrac": _frac(clipped, valid),
             "dual_clipfrac": _frac(dual_active, valid),
             "approxkl": 0.5 * masked_mean(log_ratio.detach().float().square(), valid),
-            "ratio_mean": masked_mean(r, valid),
-            "ratio_var": masked_var(r, valid),
-            "ratio_max": torch.where(has, _masked_extreme(r, valid, largest=True), 0.0),
-            "ratio_min": torch.where(has, _masked_extreme(r, valid, largest=False), 0.0),
+            "ratio_mean": masked_mean(ratio_float, valid),
+            "ratio_var": masked_var(ratio_float, valid),
+            "ratio_max": torch.where(has, _masked_extreme(ratio_float, valid, largest=True), 0.0),
+            "ratio_min": torch.where(has, _masked_extreme(ratio_float, valid, largest=False), 0.0),
         }
     return loss, metrics
 
@@ -154,7 +156,7 @@ def clipped_value_loss(
     """Clipped value loss of PPO (baselines ppo2; NeMo ``MseValueLossFn``).
 
     ``L = 0.5 * max((V - R)^2, (V_clipped - R)^2)`` with ``V_clipped = old + clamp(V - old, -eps, eps)``
-    (N-implementation-details, "Clipped value function").  ``cliprange_value=None`` gives the unclipped
+    (LHPD, "Clipped value function").  ``cliprange_value=None`` gives the unclipped
     ``0.5 * (V - R)^2`` (NeMo's default).
 
     Args:
@@ -175,19 +177,19 @@ def clipped_value_loss(
             f"cliprange_value must be > 0 or None to disable value clipping, got {cliprange_value!r}."
         )
     _check_agg_mode(loss_agg_mode)
-    acc = _acc_dtype(values, old_values, returns)
+    work_dtype = _work_dtype(values, old_values, returns)
     valid = _valid(mask, values)
-    zero = torch.zeros((), dtype=acc, device=values.device)
-    v = torch.where(valid, values.to(acc), zero)
-    ret = torch.where(valid, returns.detach().to(acc), zero)
-    err = (v - ret).square()
+    zero = torch.zeros((), dtype=work_dtype, device=values.device)
+    valid_values = torch.where(valid, values.to(work_dtype), zero)
+    valid_returns = torch.where(valid, returns.detach().to(work_dtype), zero)
+    err = (valid_values - valid_returns).square()
     if cliprange_value is None:
         per_token = 0.5 * err
         clipped = torch.zeros_like(valid)
     else:
-        old = torch.where(valid, old_values.detach().to(acc), zero)
-        v_clipped = old + torch.clamp(v - old, -cliprange_value, cliprange_value)
-        err_clipped = (v_clipped - ret).square()
+        valid_old = torch.where(valid, old_values.detach().to(work_dtype), zero)
+        v_clipped = valid_old + torch.clamp(valid_values - valid_old, -cliprange_value, cliprange_value)
+        err_clipped = (v_clipped - valid_returns).square()
         per_token = 0.5 * torch.maximum(err, err_clipped)
         clipped = err_clipped > err
     per_token = torch.where(valid, per_token, zero)
@@ -196,9 +198,13 @@ def clipped_value_loss(
         has = valid.any()
         metrics = {
             "vf_clipfrac": _frac(clipped, valid),
-            "values_mean": masked_mean(v.detach().float(), valid),
-            "values_min": torch.where(has, _masked_extreme(v.detach().float(), valid, largest=False), 0.0),
-            "values_max": torch.where(has, _masked_extreme(v.detach().float(), valid, largest=True), 0.0),
-            "returns_mean": masked_mean(ret.float(), valid),
+            "values_mean": masked_mean(valid_values.detach().float(), valid),
+            "values_min": torch.where(
+                has, _masked_extreme(valid_values.detach().float(), valid, largest=False), 0.0
+            ),
+            "values_max": torch.where(
+                has, _masked_extreme(valid_values.detach().float(), valid, largest=True), 0.0
+            ),
+            "returns_mean": masked_mean(valid_returns.float(), valid),
         }
     return loss, metrics

@@ -83,16 +83,16 @@ def truncate_response(
 ) -> Tensor:
     """Replace everything after the first stop token (at position >= ``truncate_after``) with padding.
 
-    The seed's token truncation: "truncate at the first occurrence of truncate_token that appears at or
+    LHPD's token truncation: "truncate at the first occurrence of truncate_token that appears at or
     after position truncate_after"; OpenAI's comment: "replace all tokens after truncate_token with
     padding_token".  The stop token itself is kept.  Rows without such a stop token are unchanged.
 
     Args:
         responses: (B, R) generated token ids (response part only).
-        stop_token_id: the stop token (e.g. EOS or the seed's period), or several ids (any of them stops).
+        stop_token_id: the stop token (e.g. EOS or LHPD's period), or several ids (any of them stops).
         pad_token_id: the id written after the stop token.  It may equal the stop token id; the
             truncation is still idempotent.
-        truncate_after: only stop tokens at index >= this count (the seed uses 16 with a period).
+        truncate_after: only stop tokens at index >= this count (LHPD uses 16 with a period).
 
     Returns:
         A new (B, R) tensor of the same dtype; the input is not modified.
@@ -108,7 +108,7 @@ def stop_token_found(
 ) -> Tensor:
     """Whether each response contains the stop token at an index >= ``truncate_after``.
 
-    The seed's rejection-sampling test ("ensure that the sample contains truncate_token"); feed the
+    LHPD's rejection-sampling test ("ensure that the sample contains truncate_token"); feed the
     result to :func:`apply_rejection_penalty`.
 
     Args:
@@ -125,7 +125,7 @@ def stop_token_found(
 def apply_rejection_penalty(scores: Tensor, found: Tensor, penalty: float, mode: str = "replace") -> Tensor:
     """Penalise responses that did not produce the stop token.
 
-    * ``"replace"``: their score becomes ``penalty`` -- the seed's rejection sampling, "we penalize
+    * ``"replace"``: their score becomes ``penalty`` -- LHPD's rejection sampling, "we penalize
       continuations that don't have such a period by giving them a fixed reward of -1" (penalty=-1).
     * ``"subtract"``: their score becomes ``scores - penalty`` (TRL's ``missing_eos_penalty``; pass a
       positive penalty).
@@ -149,7 +149,7 @@ def apply_rejection_penalty(scores: Tensor, found: Tensor, penalty: float, mode:
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Position ids that skip left padding: the exclusive cumulative sum ``mask.cumsum(1) - mask``.
 
-    N-implementation-details, "Adjust position indices correspondingly for padding tokens": with left
+    LHPD, "Adjust position indices correspondingly for padding tokens": with left
     padding the first real token must get position 0, e.g. mask ``[0, 0, 1, 1, 1, 1]`` gives
     ``[0, 0, 0, 1, 2, 3]`` (padding positions are 0 and masked out anyway).
 

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._common import _acc_dtype, _AllReduce, _check_dim_int, _out_dtype
+from ._common import _AllReduce, _check_dim_int, _out_dtype, _work_dtype
 from .stats import _global_moments, _moments, _var_from_moments
 
 __all__ = ["normalize_rewards_gain_bias", "overlong_penalty", "scale_rewards"]
@@ -36,9 +36,9 @@ def scale_rewards(
         raise ValueError(
             f"target_max must be >= target_min, got target_min={target_min!r}, target_max={target_max!r}."
         )
-    acc = _acc_dtype(scores)
-    s = scores.to(acc).clamp(source_min, source_max)
-    scaled = target_min + (s - source_min) * ((target_max - target_min) / (source_max - source_min))
+    work_dtype = _work_dtype(scores)
+    clamped = scores.to(work_dtype).clamp(source_min, source_max)
+    scaled = target_min + (clamped - source_min) * ((target_max - target_min) / (source_max - source_min))
     return scaled.to(_out_dtype(scores))
 
 
@@ -68,9 +68,9 @@ def overlong_penalty(
         )
     if not penalty >= 0:
         raise ValueError(f"penalty must be >= 0 (it is subtracted), got {penalty!r}.")
-    acc = _acc_dtype(response_lengths)
+    work_dtype = _work_dtype(response_lengths)
     expected = max_response_length - buffer_length
-    excess = (response_lengths.to(acc) - expected).clamp_min(0)
+    excess = (response_lengths.to(work_dtype) - expected).clamp_min(0)
     return (-penalty * excess / buffer_length).clamp_min(-penalty)
 
 
@@ -83,14 +83,14 @@ def normalize_rewards_gain_bias(
 ) -> tuple[float, float]:
     """Gain and bias that give the reward model the target mean and std on ``scores``.
 
-    N-implementation-details, "Reward model normalization before and after": from
+    LHPD, "Reward model normalization before and after": from
     ``g * N(mu_D, sigma_D) + b = N(mu_T, sigma_T)`` follow ``g = sigma_T / sigma_D`` and
     ``b = mu_T - g * mu_D``; then ``reward = reward * g + b``.
 
     Args:
         scores: raw scores of responses sampled from the reference policy, any shape.
-        target_mean: mu_T (0 in the seed).
-        target_std: sigma_T (1 in the seed), > 0.
+        target_mean: mu_T (0 in LHPD).
+        target_std: sigma_T (1 in LHPD), > 0.
         all_reduce: sum-across-processes function, to use the scores of all ranks.
 
     Returns:
@@ -107,14 +107,14 @@ def normalize_rewards_gain_bias(
         total, total_sq, count = _moments(scores, valid, None, False, torch.float64).unbind(0)
     else:
         total, total_sq, count = _global_moments(scores, valid, None, False, all_reduce)
-    n = float(count)
-    if n == 0:
+    n_scores = float(count)
+    if n_scores == 0:
         raise ValueError("normalize_rewards_gain_bias got no scores; sample some responses first.")
-    mean = float(total) / n
+    mean = float(total) / n_scores
     std = math.sqrt(float(_var_from_moments(total, total_sq, count, unbiased=False)))
     if not std > 1e-12 * max(1.0, abs(mean)) or not math.isfinite(std):
         raise ValueError(
-            f"the {int(n)} scores have std {std!r} (mean {mean!r}): all equal, so no gain can give them "
+            f"the {int(n_scores)} scores have std {std!r} (mean {mean!r}): all equal, so no gain can give them "
             f"std {target_std}; sample more varied responses or check the reward model."
         )
     gain = target_std / std

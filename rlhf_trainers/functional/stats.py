@@ -6,15 +6,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import _acc_dtype, _AllReduce, _Dim, _out_dtype, _valid, _zero_invalid
+from ._common import _AllReduce, _Dim, _out_dtype, _valid, _work_dtype, _zero_invalid
 
 __all__ = ["explained_variance", "masked_mean", "masked_moments", "masked_var", "whiten"]
 
 
 def _moments(values: Tensor, valid: Tensor, dim: _Dim, keepdim: bool, dtype: torch.dtype) -> Tensor:
-    v = _zero_invalid(values, valid, dtype)
+    zeroed = _zero_invalid(values, valid, dtype)
     count = valid.to(dtype).sum(dim=dim, keepdim=keepdim)
-    return torch.stack([v.sum(dim=dim, keepdim=keepdim), (v * v).sum(dim=dim, keepdim=keepdim), count])
+    return torch.stack(
+        [zeroed.sum(dim=dim, keepdim=keepdim), (zeroed * zeroed).sum(dim=dim, keepdim=keepdim), count]
+    )
 
 
 def _global_moments(
@@ -86,9 +88,9 @@ def masked_mean(
     if all_reduce is not None:
         total, _, count = _global_moments(values, valid, dim, keepdim, all_reduce)
     else:
-        acc = _acc_dtype(values)
-        total = _zero_invalid(values, valid, acc).sum(dim=dim, keepdim=keepdim)
-        count = valid.to(acc).sum(dim=dim, keepdim=keepdim)
+        work_dtype = _work_dtype(values)
+        total = _zero_invalid(values, valid, work_dtype).sum(dim=dim, keepdim=keepdim)
+        count = valid.to(work_dtype).sum(dim=dim, keepdim=keepdim)
     # count.clamp_min(1): an empty selection has total == 0, so it yields 0 instead of 0/0.
     return (total / count.clamp_min(1)).to(out_dtype)
 
@@ -105,7 +107,7 @@ def masked_var(
     """Variance of ``values`` over the positions where ``mask`` is nonzero.
 
     Biased (divide by n) by default, like TensorFlow's ``tf.nn.moments`` that OpenAI's
-    lm-human-preferences used ("TensorFlow vs PyTorch note" of the N-implementation-details seed:
+    lm-human-preferences used ("TensorFlow vs PyTorch note" of LHPD:
     on the 3x3 example torch's default unbiased variance is 0.0750, the biased one 0.0667).
     ``unbiased=True`` applies Bessel's correction (divide by n - 1).
 
@@ -124,16 +126,16 @@ def masked_var(
     if all_reduce is not None:
         total, total_sq, count = _global_moments(values, valid, dim, keepdim, all_reduce)
         return _var_from_moments(total, total_sq, count, unbiased).to(out_dtype)
-    acc = _acc_dtype(values)
-    v = _zero_invalid(values, valid, acc)
-    count = valid.to(acc).sum(dim=dim, keepdim=True)
-    mean = v.sum(dim=dim, keepdim=True) / count.clamp_min(1)
-    dev = torch.where(valid, v - mean, torch.zeros((), dtype=acc, device=v.device))
-    sq = (dev * dev).sum(dim=dim, keepdim=keepdim)
+    work_dtype = _work_dtype(values)
+    zeroed = _zero_invalid(values, valid, work_dtype)
+    count = valid.to(work_dtype).sum(dim=dim, keepdim=True)
+    mean = zeroed.sum(dim=dim, keepdim=True) / count.clamp_min(1)
+    deviations = torch.where(valid, zeroed - mean, torch.zeros((), dtype=work_dtype, device=zeroed.device))
+    squares = (deviations * deviations).sum(dim=dim, keepdim=keepdim)
     if not keepdim:
         count = count.sum(dim=dim) if dim is None else count.squeeze(dim)
     denom = count - 1 if unbiased else count
-    var = torch.where(denom > 0, sq / denom.clamp_min(1), torch.zeros_like(sq))
+    var = torch.where(denom > 0, squares / denom.clamp_min(1), torch.zeros_like(squares))
     return var.to(out_dtype)
 
 
@@ -146,11 +148,11 @@ def whiten(
     *,
     all_reduce: _AllReduce | None = None,
 ) -> Tensor:
-    """The seed's ``whiten``: ``(values - mean) * rsqrt(var + eps)``, plus ``mean`` again if not
+    """LHPD's ``whiten``: ``(values - mean) * rsqrt(var + eps)``, plus ``mean`` again if not
     ``shift_mean``.
 
     OpenAI whitens the rewards with ``shift_mean=False`` and the advantages with ``shift_mean=True``
-    (N-implementation-details, "Per-minibatch reward and advantage whitening").  The variance is the
+    (LHPD, "Per-minibatch reward and advantage whitening").  The variance is the
     biased one by default (``tf.nn.moments``); ``unbiased=True`` reproduces ``torch.var``'s default.
 
     Args:
@@ -160,7 +162,7 @@ def whiten(
             whitened numbers that later code might mistake for real ones.
         shift_mean: False adds the mean back after scaling.
         unbiased: Bessel's correction for the variance.
-        eps: added to the variance before ``rsqrt`` (1e-8 in the seed).
+        eps: added to the variance before ``rsqrt`` (1e-8 in LHPD).
         all_reduce: sum-across-processes function; with it the mean/variance are global over all
             ranks (one collective on packed float64 moments) instead of per rank.
 
@@ -168,22 +170,22 @@ def whiten(
         Tensor of ``values``' shape and dtype.  With no valid entry the input is returned (a copy).
     """
     valid = _valid(mask, values)
-    acc = _acc_dtype(values)
-    v = values.to(acc)
+    work_dtype = _work_dtype(values)
+    upcast = values.to(work_dtype)
     if all_reduce is not None:
         total, total_sq, count = _global_moments(values, valid, None, False, all_reduce)
-        mean = (total / count.clamp_min(1)).to(acc)
-        var = _var_from_moments(total, total_sq, count, unbiased).to(acc)
+        mean = (total / count.clamp_min(1)).to(work_dtype)
+        var = _var_from_moments(total, total_sq, count, unbiased).to(work_dtype)
     else:
-        mean = masked_mean(v, valid)
-        var = masked_var(v, valid, unbiased=unbiased)
+        mean = masked_mean(upcast, valid)
+        var = masked_var(upcast, valid, unbiased=unbiased)
     # Centre only valid entries: inf/NaN padding would otherwise reach the backward of the rsqrt
     # factor as 0 * inf = NaN even though torch.where drops it from the forward result.
-    centered = torch.where(valid, v - mean, torch.zeros((), dtype=acc, device=v.device))
+    centered = torch.where(valid, upcast - mean, torch.zeros((), dtype=work_dtype, device=upcast.device))
     whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(valid, whitened, v).to(_out_dtype(values))
+    return torch.where(valid, whitened, upcast).to(_out_dtype(values))
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -200,9 +202,9 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | None = No
         valid token) the ratio is undefined and 0 is returned: a logged NaN would hide every later
         value of the metric's curve.
     """
-    acc = _acc_dtype(values, returns)
+    work_dtype = _work_dtype(values, returns)
     valid = _valid(mask, returns)
-    r = returns.to(acc)
-    var_r = masked_var(r, valid)
-    var_res = masked_var(r - values.to(acc), valid)
+    targets = returns.to(work_dtype)
+    var_r = masked_var(targets, valid)
+    var_res = masked_var(targets - values.to(work_dtype), valid)
     return torch.where(var_r > 0, 1 - var_res / torch.where(var_r > 0, var_r, 1), torch.zeros_like(var_r))
