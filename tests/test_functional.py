@@ -1,7 +1,8 @@
-"""Unit tests of rlhf_trainers.functional against the numbers printed in the seeds and hand examples.
+"""Unit tests of rlhf_trainers.functional against the numbers printed in the reference documents and
+hand examples.
 
-Seeds (in ../shared/seeds/): "N implementation details of RLHF with PPO" (N-impl), the RLOO blog
-(RLOO), the NeMo RL PPO guide (NeMo).  Expected values are written out or computed by independent
+Reference documents (in ../shared/seeds/): "N implementation details of RLHF with PPO" (LHPD, also
+N-impl below), the RLOO blog (RLOO), the NeMo RL PPO guide (NeMo).  Expected values are written out or computed by independent
 reference code in this file, never by calling the function under test a second time.
 """
 
@@ -16,16 +17,16 @@ import torch.nn.functional as torch_f
 
 from rlhf_trainers import functional as F
 
-SEED_REWARDS = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
+LHPD_REWARDS = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
 # N-impl, "TensorFlow vs PyTorch note": whiten(rewards, shift_mean=False) with tf.nn.moments (biased)
 # and with torch.var(unbiased=True).
-SEED_WHITEN_BIASED = [[0.0508, 0.4381, 0.8254], [1.2127, 1.6000, 1.9873], [2.3746, 2.7619, 3.1492]]
-SEED_WHITEN_TF = [
+LHPD_WHITEN_BIASED = [[0.0508, 0.4381, 0.8254], [1.2127, 1.6000, 1.9873], [2.3746, 2.7619, 3.1492]]
+LHPD_WHITEN_TF = [
     [0.05080712, 0.4381051, 0.8254035],
     [1.2127019, 1.6000004, 1.9872988],
     [2.3745968, 2.7618952, 3.1491938],
 ]
-SEED_WHITEN_UNBIASED = [[0.1394, 0.5046, 0.8697], [1.2349, 1.6000, 1.9651], [2.3303, 2.6954, 3.0606]]
+LHPD_WHITEN_UNBIASED = [[0.1394, 0.5046, 0.8697], [1.2349, 1.6000, 1.9651], [2.3303, 2.6954, 3.0606]]
 
 
 def t(x, dtype=torch.float32):
@@ -70,7 +71,7 @@ def test_masks_of_any_dtype_treat_nonzero_as_valid(mask_dtype):
 
 def test_masked_var_default_is_biased_like_tf_moments():
     """N-impl "TensorFlow vs PyTorch note": var 0.0667 (biased, tf.nn.moments) vs 0.0750 (torch.var)."""
-    rewards = t(SEED_REWARDS, torch.float64)
+    rewards = t(LHPD_REWARDS, torch.float64)
     assert F.masked_var(rewards).item() == pytest.approx(0.0667, abs=1e-4)
     assert F.masked_var(rewards, unbiased=True).item() == pytest.approx(0.0750, abs=1e-4)
     assert F.masked_mean(rewards).item() == pytest.approx(1.6)
@@ -95,18 +96,18 @@ def test_masked_moments_are_sum_sumsq_count_of_valid_entries():
     torch.testing.assert_close(count, torch.tensor([2.0, 2.0], dtype=torch.float64))
 
 
-def test_whiten_seed_example_shift_mean_false_biased_variance():
+def test_whiten_lhpd_example_shift_mean_false_biased_variance():
     """N-impl: whiten_tf / whiten_pt(unbiased=False) print these numbers for the 3x3 rewards."""
-    out = F.whiten(t(SEED_REWARDS, torch.float64), shift_mean=False)
-    torch.testing.assert_close(out, t(SEED_WHITEN_BIASED, torch.float64), atol=1e-4, rtol=0)
-    out32 = F.whiten(t(SEED_REWARDS), shift_mean=False)
-    torch.testing.assert_close(out32, t(SEED_WHITEN_TF), atol=1e-5, rtol=0)
+    out = F.whiten(t(LHPD_REWARDS, torch.float64), shift_mean=False)
+    torch.testing.assert_close(out, t(LHPD_WHITEN_BIASED, torch.float64), atol=1e-4, rtol=0)
+    out32 = F.whiten(t(LHPD_REWARDS), shift_mean=False)
+    torch.testing.assert_close(out32, t(LHPD_WHITEN_TF), atol=1e-5, rtol=0)
 
 
-def test_whiten_seed_example_shift_mean_false_unbiased_variance():
+def test_whiten_lhpd_example_shift_mean_false_unbiased_variance():
     """N-impl: whiten_pt(unbiased=True) prints these numbers for the 3x3 rewards."""
-    out = F.whiten(t(SEED_REWARDS, torch.float64), shift_mean=False, unbiased=True)
-    torch.testing.assert_close(out, t(SEED_WHITEN_UNBIASED, torch.float64), atol=1e-4, rtol=0)
+    out = F.whiten(t(LHPD_REWARDS, torch.float64), shift_mean=False, unbiased=True)
+    torch.testing.assert_close(out, t(LHPD_WHITEN_UNBIASED, torch.float64), atol=1e-4, rtol=0)
 
 
 def test_whiten_shift_mean_true_gives_zero_mean_unit_variance():
@@ -187,7 +188,7 @@ def test_masked_mean_and_var_with_all_reduce_are_global():
 
 def test_statistics_keep_input_dtype():
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        values = t(SEED_REWARDS, dtype)
+        values = t(LHPD_REWARDS, dtype)
         assert F.masked_mean(values).dtype == dtype
         assert F.masked_var(values).dtype == dtype
         assert F.whiten(values).dtype == dtype
@@ -218,12 +219,12 @@ def test_explained_variance_constant_returns_or_no_tokens_is_zero():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_kl_penalty_k1_reproduces_seed_per_token_kl():
+def test_kl_penalty_k1_reproduces_lhpd_per_token_kl():
     """N-impl "Per-token KL penalty": kl = new_logprobs - logprobs = [-0.3315, -0.0426, 0.6351]."""
     ref = t([-3.3213, -4.9980, -3.8690], torch.float64)
-    seed_kl = t([-0.3315, -0.0426, 0.6351], torch.float64)
-    new = ref + seed_kl
-    torch.testing.assert_close(F.kl_penalty(new, ref, "k1"), seed_kl)
+    lhpd_kl = t([-0.3315, -0.0426, 0.6351], torch.float64)
+    new = ref + lhpd_kl
+    torch.testing.assert_close(F.kl_penalty(new, ref, "k1"), lhpd_kl)
     # the score is added at the last token: rewards = [b*-0.3315, b*-0.0426, b*0.6351 + 0.4]
     beta = 0.15
     rewards = -beta * F.kl_penalty(new, ref)
@@ -704,7 +705,7 @@ def test_apply_rejection_penalty_replace_and_subtract():
         F.apply_rejection_penalty(scores, found, 1.0, "clip")
 
 
-def test_position_ids_from_mask_seed_example():
+def test_position_ids_from_mask_lhpd_example():
     """N-impl "Adjust position indices": query [pad, pad, 23073], response [11, 339, 561]."""
     pad_id = 50257
     query_response = torch.tensor([[pad_id, pad_id, 23073, 11, 339, 561]])
@@ -1065,7 +1066,7 @@ def test_overlong_penalty_by_hand():
         F.overlong_penalty(lengths, 20, 4, -1.0)
 
 
-def test_normalize_rewards_gain_bias_seed_formula():
+def test_normalize_rewards_gain_bias_lhpd_formula():
     """N-impl "Reward model normalization": g = sigma_T / sigma_D, b = mu_T - g * mu_D."""
     scores = t([1.0, 2.0, 3.0, 4.0], torch.float64)
     gain, bias = F.normalize_rewards_gain_bias(scores)
