@@ -1,13 +1,15 @@
-"""Unit tests of rlhf_trainers.functional against the numbers printed in the seeds and hand examples.
+"""Unit tests of rlhf_trainers.functional against the numbers printed in the reference documents and
+hand examples.
 
-Seeds (in ../shared/seeds/): "N implementation details of RLHF with PPO" (N-impl), the RLOO blog
-(RLOO), the NeMo RL PPO guide (NeMo).  Expected values are written out or computed by independent
+Reference documents (in ../shared/seeds/): "N implementation details of RLHF with PPO" (LHPD, also
+N-impl below), the RLOO blog (RLOO), the NeMo RL PPO guide (NeMo).  Expected values are written out or computed by independent
 reference code in this file, never by calling the function under test a second time.
 """
 
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -15,16 +17,16 @@ import torch.nn.functional as torch_f
 
 from rlhf_trainers import functional as F
 
-SEED_REWARDS = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
+LHPD_REWARDS = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
 # N-impl, "TensorFlow vs PyTorch note": whiten(rewards, shift_mean=False) with tf.nn.moments (biased)
 # and with torch.var(unbiased=True).
-SEED_WHITEN_BIASED = [[0.0508, 0.4381, 0.8254], [1.2127, 1.6000, 1.9873], [2.3746, 2.7619, 3.1492]]
-SEED_WHITEN_TF = [
+LHPD_WHITEN_BIASED = [[0.0508, 0.4381, 0.8254], [1.2127, 1.6000, 1.9873], [2.3746, 2.7619, 3.1492]]
+LHPD_WHITEN_TF = [
     [0.05080712, 0.4381051, 0.8254035],
     [1.2127019, 1.6000004, 1.9872988],
     [2.3745968, 2.7618952, 3.1491938],
 ]
-SEED_WHITEN_UNBIASED = [[0.1394, 0.5046, 0.8697], [1.2349, 1.6000, 1.9651], [2.3303, 2.6954, 3.0606]]
+LHPD_WHITEN_UNBIASED = [[0.1394, 0.5046, 0.8697], [1.2349, 1.6000, 1.9651], [2.3303, 2.6954, 3.0606]]
 
 
 def t(x, dtype=torch.float32):
@@ -69,7 +71,7 @@ def test_masks_of_any_dtype_treat_nonzero_as_valid(mask_dtype):
 
 def test_masked_var_default_is_biased_like_tf_moments():
     """N-impl "TensorFlow vs PyTorch note": var 0.0667 (biased, tf.nn.moments) vs 0.0750 (torch.var)."""
-    rewards = t(SEED_REWARDS, torch.float64)
+    rewards = t(LHPD_REWARDS, torch.float64)
     assert F.masked_var(rewards).item() == pytest.approx(0.0667, abs=1e-4)
     assert F.masked_var(rewards, unbiased=True).item() == pytest.approx(0.0750, abs=1e-4)
     assert F.masked_mean(rewards).item() == pytest.approx(1.6)
@@ -94,18 +96,18 @@ def test_masked_moments_are_sum_sumsq_count_of_valid_entries():
     torch.testing.assert_close(count, torch.tensor([2.0, 2.0], dtype=torch.float64))
 
 
-def test_whiten_seed_example_shift_mean_false_biased_variance():
+def test_whiten_lhpd_example_shift_mean_false_biased_variance():
     """N-impl: whiten_tf / whiten_pt(unbiased=False) print these numbers for the 3x3 rewards."""
-    out = F.whiten(t(SEED_REWARDS, torch.float64), shift_mean=False)
-    torch.testing.assert_close(out, t(SEED_WHITEN_BIASED, torch.float64), atol=1e-4, rtol=0)
-    out32 = F.whiten(t(SEED_REWARDS), shift_mean=False)
-    torch.testing.assert_close(out32, t(SEED_WHITEN_TF), atol=1e-5, rtol=0)
+    out = F.whiten(t(LHPD_REWARDS, torch.float64), shift_mean=False)
+    torch.testing.assert_close(out, t(LHPD_WHITEN_BIASED, torch.float64), atol=1e-4, rtol=0)
+    out32 = F.whiten(t(LHPD_REWARDS), shift_mean=False)
+    torch.testing.assert_close(out32, t(LHPD_WHITEN_TF), atol=1e-5, rtol=0)
 
 
-def test_whiten_seed_example_shift_mean_false_unbiased_variance():
+def test_whiten_lhpd_example_shift_mean_false_unbiased_variance():
     """N-impl: whiten_pt(unbiased=True) prints these numbers for the 3x3 rewards."""
-    out = F.whiten(t(SEED_REWARDS, torch.float64), shift_mean=False, unbiased=True)
-    torch.testing.assert_close(out, t(SEED_WHITEN_UNBIASED, torch.float64), atol=1e-4, rtol=0)
+    out = F.whiten(t(LHPD_REWARDS, torch.float64), shift_mean=False, unbiased=True)
+    torch.testing.assert_close(out, t(LHPD_WHITEN_UNBIASED, torch.float64), atol=1e-4, rtol=0)
 
 
 def test_whiten_shift_mean_true_gives_zero_mean_unit_variance():
@@ -186,7 +188,7 @@ def test_masked_mean_and_var_with_all_reduce_are_global():
 
 def test_statistics_keep_input_dtype():
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        values = t(SEED_REWARDS, dtype)
+        values = t(LHPD_REWARDS, dtype)
         assert F.masked_mean(values).dtype == dtype
         assert F.masked_var(values).dtype == dtype
         assert F.whiten(values).dtype == dtype
@@ -217,12 +219,12 @@ def test_explained_variance_constant_returns_or_no_tokens_is_zero():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_kl_penalty_k1_reproduces_seed_per_token_kl():
+def test_kl_penalty_k1_reproduces_lhpd_per_token_kl():
     """N-impl "Per-token KL penalty": kl = new_logprobs - logprobs = [-0.3315, -0.0426, 0.6351]."""
     ref = t([-3.3213, -4.9980, -3.8690], torch.float64)
-    seed_kl = t([-0.3315, -0.0426, 0.6351], torch.float64)
-    new = ref + seed_kl
-    torch.testing.assert_close(F.kl_penalty(new, ref, "k1"), seed_kl)
+    lhpd_kl = t([-0.3315, -0.0426, 0.6351], torch.float64)
+    new = ref + lhpd_kl
+    torch.testing.assert_close(F.kl_penalty(new, ref, "k1"), lhpd_kl)
     # the score is added at the last token: rewards = [b*-0.3315, b*-0.0426, b*0.6351 + 0.4]
     beta = 0.15
     rewards = -beta * F.kl_penalty(new, ref)
@@ -549,6 +551,84 @@ def test_rloo_advantages_with_trailing_dims_and_k2():
     assert F.rloo_advantages(rewards.bfloat16(), 2).dtype == torch.bfloat16
 
 
+def trainer_leave_one_out(values, valid, k):
+    """The formula of rlhf_trainers.rloo.leave_one_out at the time rloo_advantages(valid=) was added,
+    copied so that the two stay equal to the last bit."""
+    v = values.reshape(k, -1).double()
+    m = valid.reshape(k, -1).to(v.dtype)
+    others = m.sum(0, keepdim=True) - m
+    baseline = ((v * m).sum(0, keepdim=True) - v * m) / others.clamp_min(1)
+    adv = torch.where((others > 0) & (m > 0), v - baseline, torch.zeros_like(v))
+    return adv.reshape(-1).to(values.dtype)
+
+
+def blog_leave_one_out_float32(rewards, k):
+    """rloo_advantages(rewards, k) before valid= existed, for float32 rewards."""
+    grouped = rewards.float().reshape(k, rewards.shape[0] // k, *rewards.shape[1:])
+    baseline = (grouped.sum(0, keepdim=True) - grouped) / (k - 1)
+    return (grouped - baseline).reshape(rewards.shape)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rloo_advantages_with_valid_equal_the_trainers_leave_one_out_bit_for_bit(seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(2, 6, (), generator=gen))
+    prompts = int(torch.randint(1, 9, (), generator=gen))
+    rewards = torch.randn(k * prompts, generator=gen) * 10 ** float(torch.randint(-3, 4, (), generator=gen))
+    # a fraction of invalid completions from none to all, so that prompts with 0, 1 and several valid
+    # completions all occur across the seeds
+    valid = torch.rand(k * prompts, generator=gen) < float(torch.rand((), generator=gen))
+    adv = F.rloo_advantages(rewards, k, valid)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv, trainer_leave_one_out(rewards, valid, k))
+    # 0/1 masks mean the same as bool ones
+    assert torch.equal(F.rloo_advantages(rewards, k, valid.long()), adv)
+
+
+def test_rloo_advantages_with_valid_by_hand():
+    # k=3, B=2: prompt 0 has rewards 1, 2, 4 with the last invalid; prompt 1 has a single valid one
+    rewards = t([1.0, 10.0, 2.0, 20.0, 4.0, 30.0])
+    valid = torch.tensor([True, False, True, True, False, False])
+    # prompt 0: baselines are the other valid reward (2 and 1); invalid and lone completions get 0
+    torch.testing.assert_close(F.rloo_advantages(rewards, 3, valid), t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
+    # the invalid completions' rewards are never read: NaN or inf there change nothing
+    dirty = torch.where(valid, rewards, t([math.nan, math.inf, 0.0, -math.inf, math.nan, math.nan]))
+    assert torch.equal(F.rloo_advantages(dirty, 3, valid), F.rloo_advantages(rewards, 3, valid))
+
+
+def test_rloo_advantages_with_all_valid_match_the_unmasked_formula():
+    rewards = torch.randn(4 * 6, generator=torch.Generator().manual_seed(1))
+    all_valid = torch.ones(24, dtype=torch.bool)
+    torch.testing.assert_close(F.rloo_advantages(rewards, 4, all_valid), F.rloo_advantages(rewards, 4))
+    rewards64 = rewards.double()
+    torch.testing.assert_close(
+        F.rloo_advantages(rewards64, 4, all_valid), F.rloo_advantages(rewards64, 4), atol=1e-12, rtol=0
+    )
+
+
+def test_rloo_advantages_without_valid_is_the_blog_formula_bit_for_bit():
+    gen = torch.Generator().manual_seed(2)
+    for shape in [(3 * 5,), (3 * 5, 4)]:
+        rewards = torch.randn(*shape, generator=gen) * 100
+        assert torch.equal(F.rloo_advantages(rewards, 3), blog_leave_one_out_float32(rewards, 3))
+
+
+def test_rloo_advantages_valid_with_trailing_dims_masks_whole_rows():
+    gen = torch.Generator().manual_seed(3)
+    rewards = torch.randn(3 * 4, 5, generator=gen)
+    valid = torch.tensor([True, False, True, True, True, False, False, True, False, True, True, False])
+    adv = F.rloo_advantages(rewards, 3, valid)
+    for column in range(5):
+        assert torch.equal(adv[:, column], F.rloo_advantages(rewards[:, column].contiguous(), 3, valid))
+    assert torch.equal(adv[~valid], torch.zeros_like(adv[~valid]))
+
+
+@pytest.mark.parametrize("valid_shape", [(5,), (6, 1), (3, 2)])
+def test_rloo_advantages_rejects_a_valid_mask_of_the_wrong_shape(valid_shape):
+    with pytest.raises(ValueError, match="valid must be"):
+        F.rloo_advantages(torch.zeros(6), 2, torch.ones(valid_shape, dtype=torch.bool))
+
+
 @pytest.mark.parametrize(
     ("n", "k", "match"), [(8, 1, "rloo_k must be an integer >= 2"), (7, 2, "divisible by rloo_k=2")]
 )
@@ -625,7 +705,7 @@ def test_apply_rejection_penalty_replace_and_subtract():
         F.apply_rejection_penalty(scores, found, 1.0, "clip")
 
 
-def test_position_ids_from_mask_seed_example():
+def test_position_ids_from_mask_lhpd_example():
     """N-impl "Adjust position indices": query [pad, pad, 23073], response [11, 339, 561]."""
     pad_id = 50257
     query_response = torch.tensor([[pad_id, pad_id, 23073, 11, 339, 561]])
@@ -986,7 +1066,7 @@ def test_overlong_penalty_by_hand():
         F.overlong_penalty(lengths, 20, 4, -1.0)
 
 
-def test_normalize_rewards_gain_bias_seed_formula():
+def test_normalize_rewards_gain_bias_lhpd_formula():
     """N-impl "Reward model normalization": g = sigma_T / sigma_D, b = mu_T - g * mu_D."""
     scores = t([1.0, 2.0, 3.0, 4.0], torch.float64)
     gain, bias = F.normalize_rewards_gain_bias(scores)
@@ -1084,14 +1164,30 @@ def test_every_function_accepts_fp32_fp64_bf16_and_stays_finite(dtype):
 
 
 def test_all_lists_public_names():
-    defined_here = {
+    """The package re-exports every public name of its modules, and only those."""
+    modules = {name: obj for name, obj in vars(F).items() if isinstance(obj, types.ModuleType)}
+    assert set(modules) == {
+        "advantages",
+        "kl",
+        "logprob_kernels",
+        "losses",
+        "responses",
+        "reward_shaping",
+        "stats",
+        "_common",
+    }
+    defined_in_modules = {
         name
         for name, obj in vars(F).items()
-        if not name.startswith("_") and getattr(obj, "__module__", None) == F.__name__
+        if not name.startswith("_") and getattr(obj, "__module__", "").startswith(F.__name__ + ".")
     }
     constants = {"KL_ESTIMATORS", "LOSS_AGG_MODES", "REJECTION_MODES"}
-    assert set(F.__all__) == defined_here | constants
-    for name in defined_here:
+    assert set(F.__all__) == defined_in_modules | constants
+    assert set(F.__all__) == {name for module in modules.values() for name in getattr(module, "__all__", [])}
+    for name in F.__all__:
+        owner = next(m for m in modules.values() if name in getattr(m, "__all__", []))
+        assert getattr(F, name) is getattr(owner, name), name
+    for name in defined_in_modules:
         assert getattr(F, name).__doc__, name
 
 

@@ -319,6 +319,23 @@ def test_rloo_advantages_invariant_to_a_constant_per_prompt(batch, data):
     )
 
 
+@FAST
+@given(rloo_batch(), st.data(), garbage)
+def test_rloo_advantages_with_valid_use_only_the_other_valid_completions(batch, data, fill):
+    rewards, k, prompts = batch
+    valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=k * prompts, max_size=k * prompts)))
+    row_valid = valid.reshape(-1, *([1] * (rewards.dim() - 1))).expand(rewards.shape)
+    adv = F.rloo_advantages(with_garbage(rewards, row_valid, fill), k, valid)
+    for j in range(k):
+        for i in range(prompts):
+            row = j * prompts + i
+            others = [rewards[jj * prompts + i] for jj in range(k) if jj != j and valid[jj * prompts + i]]
+            if not valid[row] or not others:
+                assert torch.equal(adv[row], torch.zeros_like(adv[row]))
+            else:
+                torch.testing.assert_close(adv[row], rewards[row] - torch.stack(others).mean(0))
+
+
 # ------------------------------------------------------------------------------------------------
 # truncation
 # ------------------------------------------------------------------------------------------------
