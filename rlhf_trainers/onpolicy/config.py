@@ -10,7 +10,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..functional import KL_ESTIMATORS, LOSS_AGG_MODES
-from ..rewards import REWARD_ERROR_MODES
+from ..reward_sources import REWARD_ERROR_MODES
 from ..trainer_utils import ReliabilityArguments
 
 STOP_TOKENS = ("eos",)
