@@ -18,6 +18,9 @@ from tests.test_rloo import _digest, _trainer
 def onednn_calls(monkeypatch) -> dict[str, int]:
     """Counts the oneDNN linear calls (``calls["n"]``) while the test runs."""
     calls = {"n": 0}
+    # The availability probe (one oneDNN product, cached per process) must not count: run it first, since
+    # which tests ran before in this process (pytest-xdist) decides whether it already ran.
+    onednn_linear_available()
     real = cpu_speedups._op
 
     def counting(*args):
