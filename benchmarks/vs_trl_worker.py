@@ -253,6 +253,8 @@ def build_trainer(
             local_rollout_forward_batch_size=B,
             eval_strategy="no",
             num_sample_generations=0,
+            # Opt-in since it changes glibc's malloc for the whole process; the published runs used it.
+            reuse_host_memory=True,
         )
         # vs_trl.py --ours-config: our config fields to set on top (e.g. an A/B of one option).
         ours.update(s.get("ours_config") or {})

@@ -10,19 +10,19 @@ gain and bias in the model's config.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from .distributed import gathered
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -70,28 +70,6 @@ def has_peft_adapter(model: Any) -> bool:
     """Whether `model` already carries a PEFT adapter: a ``PeftModel``, or a transformers model whose
     adapter was loaded with ``load_adapter`` (or ``from_pretrained`` of an adapter folder)."""
     return _is_peft_model(model) or bool(getattr(model, "_hf_peft_config_loaded", False))
-
-
-@contextlib.contextmanager
-def generation_config_set_aside(model: Any) -> Iterator[None]:
-    """Inside the context, the model's own ``generation_config`` is replaced by a blank one.
-
-    ``generate()`` fills every setting its ``generation_config=`` argument leaves unset (a
-    ``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens``... from a Hub checkpoint's
-    ``generation_config.json``) from the model's own, so sampling could silently follow another
-    distribution than ``softmax(logits / T)``. The original is restored on exit.
-    """
-    from transformers import GenerationConfig
-
-    base = _base(model)
-    saved = getattr(base, "generation_config", None)
-    if saved is not None:
-        base.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        if saved is not None:
-            base.generation_config = saved
 
 
 def embedding_rows(model: Any) -> int:
@@ -167,17 +145,6 @@ def find_score_head(model: nn.Module) -> tuple[str, nn.Linear]:
     )
 
 
-def _gathered(params: list[nn.Parameter], modify: bool):
-    """Context that makes ZeRO-3 partitioned parameters whole (a no-op without DeepSpeed)."""
-    import contextlib
-
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
-    return contextlib.nullcontext()
-
-
 def init_reward_head(model: nn.Module, generator: torch.Generator | None = None) -> None:
     """Initialise the scalar head as the seed does: weight ~ N(0, 1/sqrt(d_model + 1)), bias 0.
 
@@ -186,7 +153,7 @@ def init_reward_head(model: nn.Module, generator: torch.Generator | None = None)
     """
     _, head = find_score_head(model)
     params = [head.weight] + ([head.bias] if head.bias is not None else [])
-    with _gathered(params, modify=True), torch.no_grad():
+    with gathered(*params, modify=True), torch.no_grad():
         d_model = head.weight.shape[-1]
         std = 1.0 / math.sqrt(d_model + 1)
         sample = torch.randn(head.weight.shape, generator=generator, dtype=torch.float32) * std
@@ -407,7 +374,7 @@ def check_pad_token_use(
 
     The policy, reference and value models get explicit attention masks, so for them padding is never
     mistaken for text. A reward model that scores the policy's token ids (same tokenizer) is different:
-    it finds the real tokens as those that are not the pad id (:func:`rlhf_trainers.rewards.score_ids`).
+    it finds the real tokens as those that are not the pad id (:func:`rlhf_trainers.reward_sources.score_ids`).
 
     - A prompt holding a dedicated pad token (not also EOS, BOS or UNK): error, the prompts look padded
       already (the trainer pads each batch itself).

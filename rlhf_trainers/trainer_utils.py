@@ -22,7 +22,6 @@ each path and checks the ranks end with identical weights.
 from __future__ import annotations
 
 import copy
-import ctypes
 import math
 import os
 import shutil
@@ -152,17 +151,17 @@ class ReliabilityArguments:
     )
 
     reuse_host_memory: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "When training on CPU under Linux with glibc: keep memory that freed tensors give back inside "
-            "the process for the next allocation (glibc mallopt: no mmap for large blocks, no trimming of the "
-            "heap) instead of returning it to the system and page-faulting it in again. Training frees and "
+            "help": "Opt-in, CPU under Linux with glibc only: keep memory that freed tensors give back inside the "
+            "process for the next allocation (glibc mallopt: no mmap for large blocks, no trimming of the heap) "
+            "instead of returning it to the system and page-faulting it in again. Training frees and "
             "re-allocates the same large tensors (embedding gradients, logits, activations) every micro-batch; "
-            "with glibc's defaults each one is a fresh mapping whose pages fault in one by one (a 135M-parameter "
-            "PPO update on 2 cores: 25.6 -> 20.5 s, 5.1M -> 1.5M page faults, peak RSS 6470 -> 6215 MiB). Process-wide "
-            "and kept after train() (glibc has no undo): resident memory then stays near its high-water mark "
-            "instead of shrinking when tensors are freed. Not applied on GPU or with another allocator; False "
-            "leaves malloc untouched."
+            "with glibc's defaults each one is a fresh mapping whose pages fault in one by one. Measured: a "
+            "135M-parameter PPO update on 2 CPU threads 25.6 -> 20.5 s (5.1M -> 1.5M page faults, peak RSS "
+            "6470 -> 6215 MiB). Off by default because it changes the whole process, permanently (glibc has no "
+            "undo): resident memory then stays near its high-water mark after train() instead of shrinking "
+            "when tensors are freed. Not applied on GPU or with another allocator."
         },
     )
 
@@ -178,55 +177,6 @@ class ReliabilityArguments:
                 f"max_nonfinite_steps must be >= 0 (0: stop at the first non-finite step), got "
                 f"{self.max_nonfinite_steps}."
             )
-
-
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-_host_memory_reuse_applied = False
-
-
-def reuse_freed_host_memory() -> bool:
-    """Make glibc's malloc keep freed memory in the process for reuse: large blocks come from the heap
-    instead of fresh ``mmap`` regions (``M_MMAP_MAX=0``) and the heap is never trimmed back to the system
-    (``M_TRIM_THRESHOLD`` at its maximum). What ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:...`` would set at
-    process start, applied from inside the process.
-
-    Why: PyTorch's CPU allocator calls ``malloc``/``free`` for every tensor, and glibc serves blocks above
-    its mmap threshold (at most 32 MiB) with new mappings that are unmapped on ``free``. A training step
-    that allocates the same 100 MiB gradient or logits tensor every micro-batch then pays one page fault
-    per 4 KiB page every time, each zeroed by the kernel. Blocks larger than the heap's free space still
-    come from the system (glibc falls back to ``mmap`` when the heap cannot grow).
-
-    Process-wide and permanent (glibc has no undo); idempotent. Returns True when the settings are in
-    effect, False where they do not apply (not Linux, not glibc, ``mallopt`` refused them).
-    """
-    global _host_memory_reuse_applied
-    if _host_memory_reuse_applied:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-        # glibc only (musl's mallopt is a no-op stub and has no gnu_get_libc_version).
-        if not hasattr(libc, "gnu_get_libc_version"):
-            return False
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    if mallopt(_M_MMAP_MAX, 0) != 1 or mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) != 1:
-        return False
-    _host_memory_reuse_applied = True
-    return True
-
-
-def apply_host_memory_settings(trainer: Any) -> None:
-    """Apply ``args.reuse_host_memory`` (see :func:`reuse_freed_host_memory`) when ``trainer`` trains on
-    CPU. Called at the start of ``train()``."""
-    if getattr(trainer.args, "reuse_host_memory", False) and trainer.args.device.type == "cpu":
-        reuse_freed_host_memory()
 
 
 class AtomicCheckpointMixin:

@@ -1,4 +1,4 @@
-"""``onednn_linear`` (``rlhf_trainers.cpu_linear``): the float32 ``F.linear`` calls of the sampling loop's
+"""``onednn_linear`` (``rlhf_trainers.cpu_speedups``): the float32 ``F.linear`` calls of the sampling loop's
 decoding steps on CPU go through oneDNN inside the trainers' updates, with PyTorch's results up to float32
 rounding; every other call (training and scoring passes, autograd, autocast, other dtypes) is left to
 PyTorch, and training is the same as without it."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as TF
 
-from rlhf_trainers import RLOOConfig, cpu_linear
-from rlhf_trainers.cpu_linear import OneDNNLinear, onednn_linear_available
+from rlhf_trainers import RLOOConfig, cpu_speedups
+from rlhf_trainers.cpu_speedups import OneDNNLinear, onednn_linear_available
 from tests.test_rloo import _digest, _trainer
 
 
@@ -18,13 +18,16 @@ from tests.test_rloo import _digest, _trainer
 def onednn_calls(monkeypatch) -> dict[str, int]:
     """Counts the oneDNN linear calls (``calls["n"]``) while the test runs."""
     calls = {"n": 0}
-    real = cpu_linear._op
+    # The availability probe (one oneDNN product, cached per process) must not count: run it first, since
+    # which tests ran before in this process (pytest-xdist) decides whether it already ran.
+    onednn_linear_available()
+    real = cpu_speedups._op
 
     def counting(*args):
         calls["n"] += 1
         return real(*args)
 
-    monkeypatch.setattr(cpu_linear, "_op", counting)
+    monkeypatch.setattr(cpu_speedups, "_op", counting)
     return calls
 
 
@@ -97,12 +100,21 @@ def _rloo(kit, tmp_path, **kwargs):
     return _trainer(kit, tmp_path, response_length=8, max_steps=2, rollout_logprobs="forward", **kwargs)
 
 
+def _uses_onednn(trainer) -> bool:
+    """Whether the trainer's generation backend runs under oneDNN's linear (decided at construction, and
+    named in the batch accounting)."""
+    on = OneDNNLinear in trainer.generation_backend.contexts
+    assert ("oneDNN linear" in trainer.generation_backend.name) is on
+    assert ("oneDNN linear" in trainer.batch_accounting()) is on
+    return on
+
+
 def test_the_trainer_samples_through_it_with_the_same_results(kit, tmp_path, onednn_calls):
     runs = {}
     for name, on in (("onednn", True), ("torch", False)):
         onednn_calls["n"] = 0
         trainer = _rloo(kit, tmp_path / name, onednn_linear=on, onednn_linear_min_weights=0)
-        assert trainer.uses_onednn_linear is on
+        assert _uses_onednn(trainer) is on
         trainer.train()
         runs[name] = (_digest(trainer.policy), trainer.state.log_history, onednn_calls["n"])
     # Each generation's decoding steps went through oneDNN (15 linear layers per step in the kit's 2-layer
@@ -125,15 +137,15 @@ def test_it_applies_only_where_it_pays_and_is_safe(kit, tmp_path, monkeypatch):
         m.weight.numel() for m in kit.load_model("llama-sft").modules() if isinstance(m, torch.nn.Linear)
     )
     assert largest < RLOOConfig.onednn_linear_min_weights
-    assert not _rloo(kit, tmp_path / "default").uses_onednn_linear
-    assert _rloo(kit, tmp_path / "any", onednn_linear_min_weights=largest).uses_onednn_linear
-    assert not _rloo(kit, tmp_path / "above", onednn_linear_min_weights=largest + 1).uses_onednn_linear
-    assert not _rloo(kit, tmp_path / "bf16", onednn_linear_min_weights=0, bf16=True).uses_onednn_linear
+    assert not _uses_onednn(_rloo(kit, tmp_path / "default"))
+    assert _uses_onednn(_rloo(kit, tmp_path / "any", onednn_linear_min_weights=largest))
+    assert not _uses_onednn(_rloo(kit, tmp_path / "above", onednn_linear_min_weights=largest + 1))
+    assert not _uses_onednn(_rloo(kit, tmp_path / "bf16", onednn_linear_min_weights=0, bf16=True))
     f64 = kit.load_model("llama-sft").to(torch.float64)
-    assert not _rloo(kit, tmp_path / "f64", model=f64, onednn_linear_min_weights=0).uses_onednn_linear
+    assert not _uses_onednn(_rloo(kit, tmp_path / "f64", model=f64, onednn_linear_min_weights=0))
     # A torch build without oneDNN (or whose private op changed): PyTorch's linear, no error.
-    monkeypatch.setattr("rlhf_trainers.onpolicy.trainer.onednn_linear_available", lambda: False)
-    assert not _rloo(kit, tmp_path / "none", onednn_linear_min_weights=0).uses_onednn_linear
+    monkeypatch.setattr(cpu_speedups, "onednn_linear_available", lambda: False)
+    assert not _uses_onednn(_rloo(kit, tmp_path / "none", onednn_linear_min_weights=0))
 
 
 def test_bad_min_weights_is_refused_at_construction(tmp_path):

@@ -1,5 +1,6 @@
 """``reuse_host_memory``: freed tensor memory stays in the process, so re-allocating a large tensor costs no
-page faults (glibc only), and every trainer applies it at ``train()`` on CPU unless told not to."""
+page faults (glibc only). It changes malloc for the whole process, permanently, so it is opt-in: a trainer
+applies it at ``train()`` on CPU only when asked."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import textwrap
 
 import pytest
 
-import rlhf_trainers.trainer_utils as tu
-from rlhf_trainers import RewardConfig, RLOOConfig
+import rlhf_trainers.cpu_speedups as tu
+from rlhf_trainers import PPOConfig, RewardConfig, RLOOConfig
 
 glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or "glibc" not in " ".join(__import__("platform").libc_ver()),
@@ -25,7 +26,7 @@ _PROBE = textwrap.dedent(
     """
     import json, resource, sys
     import torch
-    from rlhf_trainers.trainer_utils import reuse_freed_host_memory
+    from rlhf_trainers.cpu_speedups import reuse_freed_host_memory
 
     applied = reuse_freed_host_memory() if sys.argv[1] == "reuse" else False
     n = 16 * 2**20  # 64 MiB of float32, above glibc's largest mmap threshold (32 MiB)
@@ -81,17 +82,17 @@ def test_applied_only_on_cpu_and_only_when_asked(monkeypatch, device, reuse, exp
     assert len(calls) == expected
 
 
-def test_every_config_has_the_field_on_by_default(tmp_path):
-    for cls in (RLOOConfig, RewardConfig):
+def test_every_config_has_the_field_off_by_default(tmp_path):
+    # A library must not change process-wide behaviour the user did not ask for.
+    for cls in (RLOOConfig, PPOConfig, RewardConfig):
         config = cls(output_dir=str(tmp_path), report_to="none")
-        assert config.reuse_host_memory is True
+        assert config.reuse_host_memory is False
         assert (
-            cls(output_dir=str(tmp_path), report_to="none", reuse_host_memory=False).reuse_host_memory
-            is False
+            cls(output_dir=str(tmp_path), report_to="none", reuse_host_memory=True).reuse_host_memory is True
         )
 
 
-@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("reuse", [True, False, None])
 def test_train_applies_the_setting(kit, tmp_path, monkeypatch, reuse):
     from rlhf_trainers import RLOOTrainer
 
@@ -110,7 +111,7 @@ def test_train_applies_the_setting(kit, tmp_path, monkeypatch, reuse):
         save_strategy="no",
         num_sample_generations=0,
         disable_tqdm=True,
-        reuse_host_memory=reuse,
+        **({} if reuse is None else {"reuse_host_memory": reuse}),
     )
     trainer = RLOOTrainer(
         model=kit.load_model("llama-sft"),

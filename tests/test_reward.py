@@ -18,7 +18,7 @@ from rlhf_trainers.models import (
     get_reward_normalization,
     load_reward_model,
 )
-from rlhf_trainers.rewards import join_prompt_completion, sample_completions, score_texts
+from rlhf_trainers.reward_sources import join_prompt_completion, sample_completions, score_texts
 
 
 def _config(tmp_path, **overrides) -> RewardConfig:

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from rlhf_trainers import functional as F
 from rlhf_trainers.models import get_reward_normalization, set_reward_normalization
-from rlhf_trainers.rewards import (
+from rlhf_trainers.reward_sources import (
     RewardSources,
     join_prompt_completion,
     render_prompts,
@@ -244,18 +244,20 @@ def test_eval_mode_during_scoring_and_mode_restored(tok, gpt2):
 
 
 def test_zero3_gather_only_without_a_forward(tok, llama, monkeypatch):
-    """Without reward_model_forward the weights are gathered (``_full_params``), with it they are not."""
+    """Without reward_model_forward the weights are gathered (``distributed.gathered``), with it they are
+    not."""
     import contextlib
 
-    import rlhf_trainers.rewards as rewards
+    import rlhf_trainers.reward_sources as reward_sources
 
     gathered = []
 
-    def spy(*models):
+    def spy(*models, modify=False):
+        assert not modify
         gathered.append(models)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(rewards, "_full_params", spy)
+    monkeypatch.setattr(reward_sources, "gathered", spy)
     ids, decoded = rollout(tok, PROMPTS, COMPLETIONS)
     sources = RewardSources(policy_tokenizer=tok, reward_model=llama)
     sources(query_response_ids=ids, prompts=PROMPTS, completions=decoded)

@@ -1,4 +1,5 @@
-"""The builtin sampling loop (``rlhf_trainers.sampling``), ``generation_loop`` and ``rollout_logprobs``.
+"""The builtin sampling loop (``rlhf_trainers.generation.builtin``), its lean decoding steps
+(``rlhf_trainers.cpu_speedups``), ``generation_loop`` and ``rollout_logprobs``.
 
 The loop must draw what ``generate(do_sample=True, top_k=0, top_p=1)`` draws for the same seed, ignore the
 model's ``generation_config.json``, and return the log-probs and entropies the trainer's forward pass
@@ -16,8 +17,15 @@ from transformers import GenerationConfig
 
 from rlhf_trainers import RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
+from rlhf_trainers.cpu_speedups import lean_llama_steps
+from rlhf_trainers.generation import BuiltinSampling, SamplingSettings, sample_with_kv_cache
 from rlhf_trainers.onpolicy.trainer import policy_logits
-from rlhf_trainers.sampling import sample_completions
+
+
+def sample_completions(model, ids, mask, *, lean_decoding=True, **settings):
+    """The builtin backend (with the lean steps unless told otherwise) through the protocol."""
+    backend = BuiltinSampling(model, fast_steps=lean_llama_steps if lean_decoding else None)
+    return backend.sample(ids, mask, SamplingSettings(**settings))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,9 @@ def test_draws_are_those_of_generate_for_the_same_seed(policy, prompts, temperat
         pad_token_id=tok.pad_token_id,
         stop_token_ids=eos,
     )
-    assert torch.equal(got.tokens, expected)
+    n = expected.shape[1]  # generate() stops when every row has stopped; the backend pads to 12
+    assert torch.equal(got.tokens[:, :n], expected)
+    assert got.tokens.shape[1] == 12 and (got.tokens[:, n:] == tok.pad_token_id).all()
     assert got.logprobs is None and got.entropy is None
     if stop:
         assert (got.tokens == tok.eos_token_id).any()  # some rows stopped: the padding path ran
@@ -103,12 +113,11 @@ def test_logprobs_and_entropy_are_the_forward_pass_values(policy, prompts):
     assert (s.logprobs[after] == 0).all() and (s.entropy[after] == 0).all()
 
 
-def test_bad_arguments(policy, prompts):
-    _, ids, mask = prompts
+def test_bad_arguments():
     with pytest.raises(ValueError, match="max_new_tokens"):
-        sample_completions(policy, ids, mask, max_new_tokens=0, pad_token_id=0)
+        SamplingSettings(max_new_tokens=0, pad_token_id=0)
     with pytest.raises(ValueError, match="temperature"):
-        sample_completions(policy, ids, mask, max_new_tokens=2, temperature=0.0, pad_token_id=0)
+        SamplingSettings(max_new_tokens=2, temperature=0.0, pad_token_id=0)
 
 
 # ---- lean decoding steps (LlamaForCausalLM through its modules) ------------------------------------
@@ -137,19 +146,15 @@ def _both_ways(model, prompts, n=12, temperature=0.7, stop=True, seed=5):
     runs = []
     for lean in (True, False):
         torch.manual_seed(seed)
-        runs.append(
-            sample_completions(
-                model,
-                ids,
-                mask,
-                max_new_tokens=n,
-                temperature=temperature,
-                pad_token_id=tok.pad_token_id,
-                stop_token_ids=[tok.eos_token_id] if stop else [],
-                return_logprobs=True,
-                lean_decoding=lean,
-            )
+        settings = SamplingSettings(
+            max_new_tokens=n,
+            temperature=temperature,
+            pad_token_id=tok.pad_token_id,
+            stop_token_ids=[tok.eos_token_id] if stop else [],
+            return_logprobs=True,
         )
+        # The loop itself (no padding to n): its width is the number of steps it ran.
+        runs.append(sample_with_kv_cache(model, ids, mask, settings, lean_llama_steps if lean else None))
     return runs
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..functional import KL_ESTIMATORS, LOSS_AGG_MODES
-from ..rewards import REWARD_ERROR_MODES
+from ..reward_sources import REWARD_ERROR_MODES
 from ..trainer_utils import ReliabilityArguments
 
 STOP_TOKENS = ("eos",)
@@ -94,7 +94,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     generation_loop: str = field(
         default="builtin",
         metadata={
-            "help": "'builtin': the package's sampling loop (rlhf_trainers.sampling), which samples from exactly "
+            "help": "The generation backend (rlhf_trainers.generation), chosen once when the trainer is built and "
+            "named in the batch accounting. 'builtin': the package's sampling loop, which samples from exactly "
             "softmax(logits / temperature) and can return each token's log-prob (see rollout_logprobs). "
             "'transformers': model.generate(), for architectures the builtin loop cannot drive (it needs a "
             "forward with position_ids, past_key_values and logits_to_keep); the model's own "
@@ -106,7 +107,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     lean_decoding: bool = field(
         default=True,
         metadata={
-            "help": "With generation_loop='builtin', run the decoding steps of a transformers LlamaForCausalLM "
+            "help": "CPU speed switch (rlhf_trainers.cpu_speedups). With generation_loop='builtin', run the "
+            "decoding steps of a transformers LlamaForCausalLM "
             "(Llama, SmolLM and their fine-tunes, also under a PEFT adapter) through its own modules, called "
             "directly with a KV cache preallocated for the response, instead of its forward: the same "
             "arithmetic (logits equal to float32 rounding) without the per-step work around it (mask "
@@ -255,7 +257,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default=True,
         metadata={
             "help": "On CPU, run the linear layers of the sampling loop's decoding steps (one position per "
-            "row) through oneDNN (rlhf_trainers.cpu_linear.OneDNNLinear) instead of the BLAS PyTorch uses by "
+            "row) through oneDNN (rlhf_trainers.cpu_speedups.OneDNNLinear) instead of the BLAS PyTorch uses by "
             "default (MKL on x86): the same IEEE float32 arithmetic, results equal up to summation-order "
             "rounding, no weight copied. On the 2-core AMD EPYC of our benchmarks a 32-token rollout of "
             "SmolLM2-135M takes 2.5 instead of 3.6 s (the lm head of a step: 8 instead of 37 ms). Not used "

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import functional as F
-from ..models import _base, _gathered, _is_peft_model, check_one_label, find_score_head, load_reward_model
-from ..onpolicy.trainer import OnPolicyTrainer, _full_state_dict, _load_full_state_dict, copy_model
+from ..distributed import copy_model, full_state_dict, gathered, load_full_state_dict
+from ..models import _base, _is_peft_model, check_one_label, find_score_head, load_reward_model
+from ..onpolicy.trainer import OnPolicyTrainer
 from .config import PPOConfig
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def zero_value_head(model: torch.nn.Module) -> None:
     start, so the first advantages are the returns themselves)."""
     _, head = find_score_head(model)
     params = [head.weight] + ([head.bias] if head.bias is not None else [])
-    with _gathered(params, modify=True), torch.no_grad():
+    with gathered(*params, modify=True), torch.no_grad():
         for p in params:
             p.zero_()
 
@@ -56,7 +57,7 @@ def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
             "value_model= (a one-label sequence-classification model) or value_model_init='reward_model'."
         )
     # Whole tensors on both sides: under ZeRO-3 (zero3_init_flag) both models are partitioned.
-    _load_full_state_dict(getattr(value, prefix), _full_state_dict(backbone))
+    load_full_state_dict(getattr(value, prefix), full_state_dict(backbone))
     value.to(next(source.parameters()).dtype)
     zero_value_head(value)
     if getattr(source.config, "pad_token_id", None) is not None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as torch_F
 from transformers import PreTrainedTokenizerBase, Trainer
 
+from ..cpu_speedups import apply_host_memory_settings
 from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
 from ..models import (
     align_pad_token,
@@ -27,13 +28,8 @@ from ..models import (
     set_reward_normalization,
     write_reward_normalization,
 )
-from ..rewards import Prompt, compute_reward_normalization
-from ..trainer_utils import (
-    AtomicCheckpointMixin,
-    EvaluateBeforeTrainMixin,
-    apply_host_memory_settings,
-    reliability_callback,
-)
+from ..reward_sources import Prompt, compute_reward_normalization
+from ..trainer_utils import AtomicCheckpointMixin, EvaluateBeforeTrainMixin, reliability_callback
 from .config import RewardConfig
 
 if TYPE_CHECKING:

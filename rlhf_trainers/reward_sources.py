@@ -1,8 +1,10 @@
-"""Scoring text with a reward model, and the seed's reward normalization.
+"""Reward sources: scoring text or token ids with a reward model, rule-based reward functions, their
+weights and penalties, and LHPD's reward normalization (not the reward-model trainer, which is
+:mod:`rlhf_trainers.reward`).
 
-N-implementation-details, "Reward model normalization before and after": sample completions from the
+LHPD (the lm-human-preferences details), "Reward model normalization before and after": sample completions from the
 reference (pretrained) policy, score them, and choose a gain ``g`` and bias ``b`` so that
-``raw * g + b`` has the target mean and std (0 and 1 in the seed). The gain and bias live in the
+``raw * g + b`` has the target mean and std (0 and 1 in LHPD). The gain and bias live in the
 reward model's config (:mod:`rlhf_trainers.models`) and are applied wherever the model scores.
 
 :class:`RewardSources` is what the on-policy trainers (PPO, RLOO) call once per rollout batch: a reward
@@ -24,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import functional as F
-from .models import align_pad_token, check_one_label, generation_config_set_aside, get_reward_normalization
+from .distributed import gathered
+from .generation import SamplingSettings, make_generation_backend
+from .models import align_pad_token, check_one_label, get_reward_normalization
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +36,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 Prompt = str | list[dict[str, str]]
-
-
-def _full_params(*models: Any):
-    """Gather ZeRO-3 partitioned weights for a forward/generate outside the DeepSpeed engine."""
-    params = [p for m in models for p in m.parameters() if hasattr(p, "ds_id")]
-    if not params:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def render_prompts(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -77,42 +71,34 @@ def sample_completions(
     temperature: float = 1.0,
     batch_size: int = 64,
 ) -> list[str]:
-    """Sample one completion per prompt with the seed's settings (top-k 0, top-p 1, ``temperature``),
-    stopping at EOS; returns the decoded completions without special tokens. Nothing comes from the
-    model's own ``generation_config`` (it is set aside during the call), so the samples follow
-    ``softmax(logits / temperature)`` whatever a Hub checkpoint's ``generation_config.json`` says."""
-    from transformers import GenerationConfig
+    """Sample one completion per prompt from ``softmax(logits / temperature)`` (LHPD's settings: no top-k,
+    no top-p), stopping at EOS; returns the decoded completions without special tokens.
 
-    config = GenerationConfig(
+    The samples come from the trainers' generation interface (:mod:`rlhf_trainers.generation`, the builtin
+    loop), so nothing comes from the model's own ``generation_config`` either; ZeRO-3 partitioned weights
+    are gathered for the call.
+    """
+    backend = make_generation_backend(policy, context=lambda: gathered(policy))
+    settings = SamplingSettings(
         max_new_tokens=response_length,
-        do_sample=True,
         temperature=temperature,
-        top_k=0,
-        top_p=1.0,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        use_cache=True,
+        stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
     )
     texts = render_prompts(prompts, tokenizer)
     device = next(policy.parameters()).device
     completions: list[str] = []
-    was_training = policy.training
-    policy.eval()
-    with _full_params(policy), generation_config_set_aside(policy):
-        for start in range(0, len(texts), batch_size):
-            enc = tokenizer(
-                texts[start : start + batch_size],
-                return_tensors="pt",
-                padding=True,
-                padding_side="left",
-                add_special_tokens=False,
-            ).to(device)
-            out = policy.generate(**enc, generation_config=config)
-            response = F.truncate_response(
-                out[:, enc["input_ids"].shape[1] :], tokenizer.eos_token_id, tokenizer.pad_token_id
-            )
-            completions += tokenizer.batch_decode(response, skip_special_tokens=True)
-    policy.train(was_training)
+    for start in range(0, len(texts), batch_size):
+        encoded = tokenizer(
+            texts[start : start + batch_size],
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        ).to(device)
+        tokens = backend.sample(encoded["input_ids"], encoded["attention_mask"], settings).tokens
+        response = F.truncate_response(tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        completions += tokenizer.batch_decode(response, skip_special_tokens=True)
     return completions
 
 
@@ -137,7 +123,7 @@ def score_texts(
     device = next(model.parameters()).device
     gain, bias = get_reward_normalization(model) if normalize else (1.0, 0.0)
     call = forward or model
-    gather = _full_params(model) if forward is None else contextlib.nullcontext()
+    gather = gathered(model) if forward is None else contextlib.nullcontext()
     with gather:
         scores = _score_batches(call, tokenizer, texts, batch_size, max_length, add_eos, device)
     raw = torch.cat(scores) if scores else torch.zeros(0)
@@ -313,7 +299,7 @@ def score_ids(
     device = next(model.parameters()).device
     gain, bias = get_reward_normalization(model) if normalize else (1.0, 0.0)
     call = forward or model
-    gather = _full_params(model) if forward is None else contextlib.nullcontext()
+    gather = gathered(model) if forward is None else contextlib.nullcontext()
     scores = []
     with gather:
         for start in range(0, ids.shape[0], batch_size):
@@ -596,7 +582,7 @@ class RewardSources:
             raise ValueError(
                 "policy_tokenizer has no pad token, but the reward model scores the policy's padded token "
                 "ids with it. Give the policy tokenizer a pad token (a dedicated one, distinct from EOS, "
-                "as the seed does) before training."
+                "as the lm-human-preferences reference implementation does) before training."
             )
         align_pad_token(reward_model, policy_tokenizer if self.same_tokenizer else reward_tokenizer)
 

@@ -1,0 +1,423 @@
+"""Speed switches for one kind of machine (CPU), kept apart from the algorithm code behind one boundary.
+
+Three switches of the on-policy configs live here, and nothing outside this module names them:
+
+- ``lean_decoding``: :class:`LeanLlamaSteps`, faster decoding steps for Llama-architecture policies that
+  the builtin sampling loop takes as its optional "fast steps" provider.
+- ``onednn_linear``: :class:`OneDNNLinear`, a context the generation backends run in.
+- ``reuse_host_memory``: :func:`reuse_freed_host_memory`, glibc's malloc keeping freed memory
+  (process-wide, so off unless the user asks for it), applied by :func:`apply_host_memory_settings` at the
+  start of ``train()``.
+
+The boundary is :func:`decoding_speedups`: the generation factory asks it, once per trainer, what the
+sampling of a given model may use (:class:`DecodingSpeedups`), and passes that on without knowing what
+it is.
+
+**Lean decoding steps** (``lean_decoding``). For a ``transformers`` ``LlamaForCausalLM`` (Llama, SmolLM and
+their fine-tunes; also under a PEFT adapter), the decoding steps after the prompt pass call the model's own
+modules directly (embedding, rotary embedding, norms, projections, MLP, lm head) with a KV cache
+preallocated for the whole response and PyTorch's ``scaled_dot_product_attention``, instead of the model's
+``forward``. That is the arithmetic of the model's forward, without what it does around it at every step
+(attention-mask building, cache objects, keyword-argument handling, output classes), which is most of a
+decoding step for small models: the offline kit's 2-layer Llama samples 32 tokens in 33 instead of 59 ms
+on 2 CPU cores; for SmolLM2-135M on CPU the matmuls dominate and both take the same time. Logits agree with
+the forward's to float32 rounding (~1e-6 relative). Anything else (other architectures, a subclass, forward
+hooks on the skipped modules, accelerate's device-map hooks, DeepSpeed's partitioned weights, attention
+dropout in training mode, a torch without grouped-query SDPA, several processes) takes the model's
+``forward``. Several processes: 2-process CPU runs sometimes aborted at exit with the lean steps
+("terminate called without an active exception"), for a reason not found yet.
+
+**oneDNN linear** (``onednn_linear``): oneDNN for the token-by-token sampling steps of the trainers'
+models on CPU.
+
+Why: PyTorch's CPU build sends every float32 ``F.linear`` to the BLAS it was built with (MKL on x86). For
+the skinny matmuls of a decoding step (one position per row: 8 rows against every weight of the model)
+oneDNN, also inside every x86 torch wheel (``torch.ops.mkldnn``), streams the weights much faster on the
+AMD EPYC machines this project is measured on: the 49152 x 576 lm head of SmolLM2-135M takes 37 ms with
+MKL and 8 ms with oneDNN for 8 rows, and a 32-token rollout of that model 3.6 -> 2.5 s.
+
+Why only there: oneDNN generates machine code for every distinct matrix shape it meets (about 0.4-0.7 MiB
+per (rows, in, out) shape, measured with torch 2.13 / oneDNN 3.12), and two caches of 1024 entries each
+keep it: oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and the one ideep, PyTorch's
+oneDNN wrapper, keeps in front of it (``LRU_CACHE_CAPACITY``); both are read once, at the process's first
+oneDNN call, and lowering only one of them releases little. A decoding step has a fixed number of rows
+(the rollout chunk), so its shapes are few and the memory bounded (a few MiB). The training and scoring
+passes have as many row counts as micro-batch lengths: routed through oneDNN with the default capacities,
+resident memory grew with every new length (+490 MiB for 300 row counts x 3 weight shapes). Capping both
+caches at 32 entries before the first call bounds that growth (+38 MiB for the same shapes), but it is a
+process-wide setting, and on the machine instance measured last the gain it would buy was small: oneDNN
+ran a micro-batch's forward and input-gradient GEMMs 8-36 % faster than MKL, and a forward and backward
+pass of SmolLM2-135M on 4 x 60 tokens took 1.52-1.63 s against MKL's 1.58 s (an earlier A/B of whole
+updates, on another instance, had shown 1.3x). So training stays on PyTorch's default.
+``benchmarks/onednn_shapes.py`` measures both: the GEMM rates and the memory growth.
+
+How: :class:`OneDNNLinear` is a ``TorchFunctionMode`` that the generation backends enter around every
+sampling call (the rollout's and evaluation's). Inside it, an ``F.linear`` whose input has one position
+per row (``(..., 1, in)``: a decoding step of the sampling loop, and its lm head), in float32 on CPU, without autograd and without autocast,
+runs as oneDNN's linear; everything else passes through untouched. Nothing is changed in the models (no
+module replaced, no weight copied), and leaving the context restores plain PyTorch. The arithmetic is IEEE
+float32 in both libraries (oneDNN's default ``strict`` math mode); results differ from MKL's by the
+rounding of another summation order (about 1e-6 relative).
+
+**Host memory** (``reuse_host_memory``, off by default): see :func:`reuse_freed_host_memory`. Measured
+gain: a 135M-parameter PPO update on 2 CPU threads took 20.5 s with it and 25.6 s without.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "DecodingSpeedups",
+    "LeanLlamaSteps",
+    "OneDNNLinear",
+    "apply_host_memory_settings",
+    "decoding_speedups",
+    "lean_llama_steps",
+    "onednn_linear_available",
+    "reuse_freed_host_memory",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# the boundary: what the sampling of one model may use
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodingSpeedups:
+    """What :func:`decoding_speedups` allows the sampling of one model."""
+
+    #: The builtin loop's provider of faster decoding steps (:func:`lean_llama_steps`), or None.
+    fast_steps: Callable[[nn.Module, Any, Tensor, int], LeanLlamaSteps | None] | None = None
+    #: What ``fast_steps`` is called in the batch accounting ("" when None).
+    fast_steps_name: str = ""
+    #: A factory of the context every generation call runs in (:class:`OneDNNLinear`), or None.
+    context: Callable[[], Any] | None = None
+    #: What ``context`` is called in the batch accounting ("" when None).
+    context_name: str = ""
+
+
+def decoding_speedups(
+    model: nn.Module, config: Any, *, device: torch.device, deepspeed: bool
+) -> DecodingSpeedups:
+    """The CPU speed switches of ``config`` (an :class:`~rlhf_trainers.OnPolicyConfig`: ``lean_decoding``,
+    ``onednn_linear``, ``onednn_linear_min_weights``, ``bf16``/``fp16``) that apply to sampling from
+    ``model`` on ``device``; decided once, when the trainer is built.
+
+    The lean steps are offered where ``model`` is a plain Llama now (the provider checks again at every
+    call, since hooks or partitioned weights may come later); oneDNN where it pays and is safe: CPU,
+    float32 weights, no bf16/fp16 autocast, no DeepSpeed, a torch build with oneDNN (checked once), and a
+    largest linear layer of at least ``onednn_linear_min_weights`` weights.
+    """
+    speedups: dict[str, Any] = {}
+    if getattr(config, "lean_decoding", False) and _plain_llama(model) is not None:
+        speedups.update(fast_steps=lean_llama_steps, fast_steps_name="lean Llama steps")
+    if _onednn_pays(model, config, device=device, deepspeed=deepspeed):
+        speedups.update(context=OneDNNLinear, context_name="oneDNN linear")
+    return DecodingSpeedups(**speedups)
+
+
+def _onednn_pays(model: nn.Module, config: Any, *, device: torch.device, deepspeed: bool) -> bool:
+    if not getattr(config, "onednn_linear", False) or device.type != "cpu" or deepspeed:
+        return False
+    if getattr(config, "bf16", False) or getattr(config, "fp16", False):
+        return False
+    largest = max((m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)), default=0)
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    return (
+        largest >= config.onednn_linear_min_weights
+        and all(p.dtype == torch.float32 for p in floating)
+        and onednn_linear_available()
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# lean decoding steps (lean_decoding)
+# --------------------------------------------------------------------------------------------------
+
+
+def lean_llama_steps(model: nn.Module, out: Any, mask: Tensor, max_new_tokens: int) -> LeanLlamaSteps | None:
+    """The lean steps for ``model`` after its prompt pass ``out`` (whose cache holds the prompt's keys and
+    values) over ``mask``, or None where the model's forward must run the steps (the builtin loop's
+    :data:`~rlhf_trainers.generation.builtin.FastStepsProvider`)."""
+    return LeanLlamaSteps.build(model, out, mask, max_new_tokens)
+
+
+class LeanLlamaSteps:
+    """The decoding steps of a ``LlamaForCausalLM`` through its modules (``lean_decoding``, see the module
+    docstring); a :class:`~rlhf_trainers.generation.builtin.FastDecodingSteps`."""
+
+    def __init__(self, causal_lm: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.lm = causal_lm
+        self.body = causal_lm.model
+        self.keys, self.values = keys, values
+        # Columns of the cache filled so far (the prompt's), and which are real tokens in each row.
+        self.length = 0
+        self.attend: torch.Tensor | None = None
+
+    @staticmethod
+    def build(model: nn.Module, out: Any, mask: torch.Tensor, max_new_tokens: int) -> LeanLlamaSteps | None:
+        """The lean steps for ``model`` after its prompt pass ``out`` (whose cache holds the prompt's keys and
+        values) over ``mask``, or None where the model's forward must run the steps."""
+        if max_new_tokens < 2:
+            return None
+        lm = _plain_llama(model)
+        cache = getattr(out, "past_key_values", None)
+        layers_cache = getattr(cache, "layers", None)
+        if lm is None or layers_cache is None or len(layers_cache) != len(lm.model.layers):
+            return None
+        B, T = mask.shape
+        keys, values = [], []
+        for layer in layers_cache:
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+                return None
+            if k.dim() != 4 or k.shape[0] != B or k.shape[2] != T or v.shape[:3] != k.shape[:3]:
+                return None
+            # Room for the whole response: the prompt's columns, then one per decoding step.
+            kk = k.new_empty(B, k.shape[1], T + max_new_tokens - 1, k.shape[3])
+            vv = v.new_empty(B, v.shape[1], T + max_new_tokens - 1, v.shape[3])
+            kk[:, :, :T] = k
+            vv[:, :, :T] = v
+            keys.append(kk)
+            values.append(vv)
+        steps = LeanLlamaSteps(lm, keys, values)
+        steps.length = T
+        attend = torch.ones(B, 1, 1, T + max_new_tokens - 1, dtype=torch.bool, device=mask.device)
+        attend[:, 0, 0, :T] = mask.bool()
+        steps.attend = attend
+        return steps
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of the next position after ``token`` (B,) at ``position`` (B, 1)."""
+        t = self.length
+        self.length += 1
+        body = self.body
+        h = body.embed_tokens(token[:, None])
+        cos, sin = body.rotary_emb(h, position)
+        attend = self.attend[..., : t + 1]
+        B = h.shape[0]
+        for layer, keys, values in zip(body.layers, self.keys, self.values, strict=True):
+            attention = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attention.q_proj(x).view(B, 1, -1, attention.head_dim).transpose(1, 2)
+            k = attention.k_proj(x).view(B, 1, -1, attention.head_dim).transpose(1, 2)
+            v = attention.v_proj(x).view(B, 1, -1, attention.head_dim).transpose(1, 2)
+            q, k = _apply_rotary(q, k, cos, sin)
+            keys[:, :, t] = k[:, :, 0]
+            values[:, :, t] = v[:, :, 0]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                keys[:, :, : t + 1],
+                values[:, :, : t + 1],
+                attn_mask=attend,
+                scale=attention.scaling,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+            h = h + attention.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm.lm_head(body.norm(h))[:, -1, :]
+
+
+def _apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _plain_llama(model: nn.Module) -> nn.Module | None:
+    """The ``LlamaForCausalLM`` inside ``model`` (itself, or under a PEFT wrapper) when its decoding steps can
+    skip its forward: exactly transformers' Llama classes, no hooks that the skipped forwards would run and
+    no forward replaced on an instance, no partitioned (DeepSpeed) or device-mapped (accelerate) weights, no
+    attention dropout in play."""
+    try:
+        from transformers.models.llama import modeling_llama as llama
+    except ImportError:  # pragma: no cover - transformers without Llama
+        return None
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if type(lm) is not llama.LlamaForCausalLM or type(getattr(lm, "model", None)) is not llama.LlamaModel:
+        return None
+    body = lm.model
+    if not all(
+        type(layer) is llama.LlamaDecoderLayer and type(layer.self_attn) is llama.LlamaAttention
+        for layer in body.layers
+    ):
+        return None
+    if getattr(lm.config, "pretraining_tp", 1) not in (None, 1):
+        return None
+    if not _sdpa_has_gqa():
+        return None
+    # Several processes: with the lean steps, 2-process CPU runs (gloo, DDP or ZeRO-3) sometimes aborted
+    # at exit ("terminate called without an active exception": 2 of the 25 multi-process tests, in each of
+    # two runs; none in two runs without the lean steps). The cause is not found yet, so multi-process
+    # runs keep the forward.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            return None
+    from torch.nn.modules import module as module_state
+
+    if any(
+        getattr(module_state, name, None)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks_always_called",
+        )
+    ):
+        return None
+    skipped = [model, lm, body, *body.layers, *(layer.self_attn for layer in body.layers)]
+    for module in skipped:
+        # A forward replaced on the instance (accelerate's mixed-precision wrapper, a user's patch) would
+        # be skipped too.
+        if module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module):
+            return None
+    for module in lm.modules():
+        if hasattr(module, "_hf_hook") or hasattr(module, "ds_id"):
+            return None
+    if any(hasattr(p, "ds_id") for p in lm.parameters()):
+        return None
+    if any(layer.self_attn.training and layer.self_attn.attention_dropout > 0 for layer in body.layers):
+        return None
+    return lm
+
+
+def _sdpa_has_gqa() -> bool:
+    """Whether this torch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5), from the
+    version: no probing call (a grouped-query SDPA call on CPU was the one new kernel in the multi-process
+    runs that aborted at exit)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+# --------------------------------------------------------------------------------------------------
+# oneDNN for the decoding steps' linear layers (onednn_linear)
+# --------------------------------------------------------------------------------------------------
+
+_LINEAR = torch.nn.functional.linear
+
+
+def _op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """oneDNN's ``x @ weight.T + bias`` for a 2-D ``x``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    """Whether this torch build runs oneDNN's float32 linear on CPU, with results equal to ``F.linear``
+    up to float32 rounding (checked once, on a small product, with the fallback ``False`` for builds
+    without oneDNN or where the private op has changed)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 48, generator=generator)
+        w = torch.randn(24, 48, generator=generator)
+        b = torch.randn(24, generator=generator)
+        got = _op(x, w, b)
+        want = _LINEAR(x.double(), w.double(), b.double()).float()
+        return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4))
+    except Exception:
+        return False
+
+
+def _plain(t: Any) -> bool:
+    # Plain tensors and parameters only: subclasses (DTensor, FakeTensor, ...) keep their own dispatch.
+    return type(t) in (Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def _eligible(x: Any, weight: Any, bias: Any) -> bool:
+    """A decoding step's linear: input ``(..., 1, in)``, float32 CPU tensors, no autograd, no autocast."""
+    if not (_plain(x) and _plain(weight)) or (bias is not None and not (_plain(bias) and bias.dim() == 1)):
+        return False
+    if x.dim() < 3 or x.shape[-2] != 1 or x.numel() == 0 or x.layout != torch.strided:
+        return False
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
+        return False
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return False
+    # Under CPU autocast, F.linear runs in the autocast dtype: leave it to PyTorch.
+    return not torch.is_autocast_enabled("cpu")
+
+
+class OneDNNLinear(TorchFunctionMode):
+    """Inside this context, the float32 ``F.linear`` calls of decoding steps on CPU (one position per row,
+    no autograd) run through oneDNN (see the module docstring); everything else runs as usual. Enter it
+    only where :func:`onednn_linear_available`."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _LINEAR:
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if _eligible(x, weight, bias):
+                flat = x.reshape(-1, x.shape[-1]).contiguous()
+                return _op(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# host memory (reuse_host_memory)
+# --------------------------------------------------------------------------------------------------
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_host_memory_reuse_applied = False
+
+
+def reuse_freed_host_memory() -> bool:
+    """Make glibc's malloc keep freed memory in the process for reuse: large blocks come from the heap
+    instead of fresh ``mmap`` regions (``M_MMAP_MAX=0``) and the heap is never trimmed back to the system
+    (``M_TRIM_THRESHOLD`` at its maximum). What ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:...`` would set at
+    process start, applied from inside the process.
+
+    Why: PyTorch's CPU allocator calls ``malloc``/``free`` for every tensor, and glibc serves blocks above
+    its mmap threshold (at most 32 MiB) with new mappings that are unmapped on ``free``. A training step
+    that allocates the same 100 MiB gradient or logits tensor every micro-batch then pays one page fault
+    per 4 KiB page every time, each zeroed by the kernel. Blocks larger than the heap's free space still
+    come from the system (glibc falls back to ``mmap`` when the heap cannot grow).
+
+    Process-wide and permanent (glibc has no undo); idempotent. Returns True when the settings are in
+    effect, False where they do not apply (not Linux, not glibc, ``mallopt`` refused them).
+    """
+    global _host_memory_reuse_applied
+    if _host_memory_reuse_applied:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+        # glibc only (musl's mallopt is a no-op stub and has no gnu_get_libc_version).
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return False
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if mallopt(_M_MMAP_MAX, 0) != 1 or mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) != 1:
+        return False
+    _host_memory_reuse_applied = True
+    return True
+
+
+def apply_host_memory_settings(trainer: Any) -> None:
+    """Apply ``args.reuse_host_memory`` (see :func:`reuse_freed_host_memory`) when ``trainer`` trains on
+    CPU. Called at the start of ``train()``."""
+    if getattr(trainer.args, "reuse_host_memory", False) and trainer.args.device.type == "cpu":
+        reuse_freed_host_memory()

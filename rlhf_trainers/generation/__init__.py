@@ -1,0 +1,31 @@
+"""Generation behind one interface.
+
+A backend (:class:`GenerationBackend`) samples completions of left-padded prompts with given settings
+(:class:`SamplingSettings`) and returns :class:`Samples`: tokens padded to ``max_new_tokens`` and, when
+asked, each token's log-prob and each step's entropy. Two backends exist: the builtin loop
+(:class:`BuiltinSampling`) and ``transformers``' ``generate()`` (:class:`TransformersGenerate`). The
+on-policy trainers choose one once, at construction (:func:`make_generation_backend`), and print its
+name in the batch accounting; reward normalization samples through the same interface. See
+docs/generation.md.
+"""
+
+from __future__ import annotations
+
+from .base import GenerationBackend, Samples, SamplingSettings
+from .builtin import BuiltinSampling, FastDecodingSteps, FastStepsProvider, sample_with_kv_cache
+from .factory import GENERATION_LOOPS, make_generation_backend
+from .transformers_generate import TransformersGenerate, generation_config_set_aside
+
+__all__ = [
+    "GENERATION_LOOPS",
+    "BuiltinSampling",
+    "FastDecodingSteps",
+    "FastStepsProvider",
+    "GenerationBackend",
+    "Samples",
+    "SamplingSettings",
+    "TransformersGenerate",
+    "generation_config_set_aside",
+    "make_generation_backend",
+    "sample_with_kv_cache",
+]

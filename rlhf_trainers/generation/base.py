@@ -1,0 +1,125 @@
+"""The generation protocol: what every backend takes (prompts and :class:`SamplingSettings`) and returns
+(:class:`Samples`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = ["ContextFactory", "GenerationBackend", "Samples", "SamplingSettings"]
+
+#: Called before every ``sample`` call for the context the sampling runs in (e.g. ZeRO-3 gathering).
+ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample: ancestral sampling from ``softmax(logits / temperature)`` (no top-k, top-p or
+    penalties), at most ``max_new_tokens`` tokens per row."""
+
+    #: Tokens to sample per row (>= 1); the result always has this many columns.
+    max_new_tokens: int
+    #: Written after a row's stop token, and in the columns of rows that stopped.
+    pad_token_id: int
+    #: The logits are divided by it (> 0).
+    temperature: float = 1.0
+    #: A row stops after sampling one of these (the stop token is kept); empty: every row samples
+    #: ``max_new_tokens`` tokens, stop tokens like any other.
+    stop_token_ids: Sequence[int] = ()
+    #: Also return each sampled token's log-probability and each step's entropy.
+    return_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What a backend returns for B prompts; every tensor has ``max_new_tokens`` columns."""
+
+    #: (B, max_new_tokens) sampled token ids; ``pad_token_id`` after a row's stop token.
+    tokens: torch.Tensor
+    #: (B, max_new_tokens) float32 log-probability of each sampled token under
+    #: ``softmax(logits / temperature)``, as the generation computed it; 0 after a row's stop token. None
+    #: unless ``return_logprobs``.
+    logprobs: torch.Tensor | None = None
+    #: (B, max_new_tokens) float32 entropy of that distribution at each step; 0 after a row's stop token.
+    #: None unless ``return_logprobs``.
+    entropy: torch.Tensor | None = None
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """Samples completions of left-padded prompts. Built once per trainer
+    (:func:`~rlhf_trainers.generation.make_generation_backend`) for one model, which it samples from in
+    eval mode (restoring the model's mode afterwards)."""
+
+    #: Short description of the backend and what it runs with, printed in the batch accounting.
+    name: str
+    #: Whether its log-probs may stand in for a policy forward pass in a float32 rollout
+    #: (``rollout_logprobs='auto'``): True where they come from the same arithmetic as the forward's.
+    logprobs_for_rollout: bool
+
+    def sample(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings
+    ) -> Samples:
+        """Sample after each prompt row.
+
+        Args:
+            query_ids: (B, T) prompt ids, padded on the left.
+            query_mask: (B, T) 1 at real prompt tokens.
+            settings: what to sample.
+
+        Returns:
+            :class:`Samples` with exactly ``settings.max_new_tokens`` columns.
+        """
+        ...
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (dropout off, as the trainers' forward passes score) inside the context; its
+    mode restored on exit."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def padded_to(samples: Samples, width: int, pad_token_id: int) -> Samples:
+    """``samples`` with ``width`` columns: tokens padded with ``pad_token_id``, log-probs and entropies
+    with 0 (generation stops early when every row has stopped)."""
+    missing = width - samples.tokens.shape[1]
+    if missing <= 0:
+        return samples
+    tokens = samples.tokens
+    pad = tokens.new_full((tokens.shape[0], missing), pad_token_id)
+
+    def zeros_after(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        return torch.cat([values, values.new_zeros(values.shape[0], missing)], dim=1)
+
+    return Samples(
+        torch.cat([tokens, pad], dim=1), zeros_after(samples.logprobs), zeros_after(samples.entropy)
+    )
+
+
+@contextlib.contextmanager
+def entered(contexts: Sequence[ContextFactory | None]) -> Iterator[None]:
+    """Inside the context, every context the factories give (None: skipped), entered in order."""
+    with contextlib.ExitStack() as stack:
+        for make in contexts:
+            if make is not None:
+                stack.enter_context(make())
+        yield

@@ -1,0 +1,146 @@
+"""The builtin sampling loop: ancestral sampling from ``softmax(logits / temperature)`` with a KV cache.
+
+Why not ``model.generate()``: ``generate`` fills every sampling setting that its ``GenerationConfig``
+leaves unset from the model's own ``generation_config.json`` (a ``repetition_penalty``, a
+``no_repeat_ngram_size``, ``suppress_tokens``...), so a Hub checkpoint can silently sample from another
+distribution than the one the trainer's forward passes score, and the rollout is off-policy without a
+trace. This loop samples from exactly the distribution the log-probs describe, and it can return the
+log-probability and entropy of each sampled token from the logits it already has, which spares the
+rollout a separate forward pass of the policy (``rollout_logprobs``). Its draws are those of
+``generate(do_sample=True, top_k=0, top_p=1.0, temperature=...)`` for the same seed (the same
+``softmax`` and ``torch.multinomial`` calls, in the same order).
+
+The loop runs the model's forward at every step, unless it is given a provider of faster decoding steps
+(:data:`FastStepsProvider`) that takes over after the prompt pass for the models it can reproduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .base import ContextFactory, Samples, SamplingSettings, entered, eval_mode, padded_to
+
+__all__ = ["BuiltinSampling", "FastDecodingSteps", "FastStepsProvider", "sample_with_kv_cache"]
+
+
+class FastDecodingSteps(Protocol):
+    """Decoding steps that replace the model's forward after the prompt pass."""
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of the position after ``token`` (B,), which sits at ``position`` (B, 1)."""
+        ...
+
+
+#: ``provider(model, prompt_output, prompt_mask, max_new_tokens)``: faster decoding steps for ``model``
+#: after its prompt pass (``prompt_output``, a model output whose cache holds the prompt's keys and
+#: values, over ``prompt_mask`` (B, T)), or None where the model's forward must run the steps.
+FastStepsProvider = Callable[[nn.Module, Any, torch.Tensor, int], "FastDecodingSteps | None"]
+
+
+@torch.no_grad()
+def sample_with_kv_cache(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: SamplingSettings,
+    fast_steps: FastStepsProvider | None = None,
+) -> Samples:
+    """The loop itself (the model as it is, no context): ``n <= max_new_tokens`` columns, fewer when every
+    row stopped early.
+
+    ``model`` is a causal LM (a ``transformers`` model or a PEFT model around one) whose forward accepts
+    ``attention_mask``, ``position_ids``, ``past_key_values``, ``use_cache`` and ``logits_to_keep``;
+    ``input_ids`` and ``attention_mask`` (B, T) hold left-padded prompts.
+    """
+    mask = attention_mask.long()
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    next_position = mask.sum(1, keepdim=True)
+    stops = torch.tensor(list(settings.stop_token_ids), dtype=input_ids.dtype, device=input_ids.device)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    tokens: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    entropies: list[torch.Tensor] = []
+    out = model(
+        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
+    logits = out.logits[:, -1, :]
+    steps = fast_steps(model, out, mask, settings.max_new_tokens) if fast_steps is not None else None
+    for step in range(settings.max_new_tokens):
+        # float32, as generate() does before its logits processors.
+        scores = logits.to(dtype=torch.float32, copy=True)
+        if settings.temperature != 1.0:
+            scores = scores / settings.temperature
+        probs = torch.softmax(scores, dim=-1)
+        token = torch.multinomial(probs, num_samples=1).squeeze(1)
+        token = torch.where(unfinished, token, torch.full_like(token, settings.pad_token_id))
+        tokens.append(token)
+        if settings.return_logprobs:
+            log_probs = torch.log_softmax(scores, dim=-1)
+            chosen = log_probs.gather(1, token[:, None]).squeeze(1)
+            entropy = -(probs * log_probs).nan_to_num().sum(-1)  # 0 * -inf at masked-out tokens counts 0
+            logprobs.append(torch.where(unfinished, chosen, torch.zeros_like(chosen)))
+            entropies.append(torch.where(unfinished, entropy, torch.zeros_like(entropy)))
+        if stops.numel():
+            unfinished = unfinished & ~torch.isin(token, stops)
+            if not bool(unfinished.any()):
+                break
+        if step == settings.max_new_tokens - 1:
+            break
+        if steps is not None:
+            logits = steps.step(token, next_position)
+        else:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=next_position,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+        next_position = next_position + 1
+    return Samples(
+        torch.stack(tokens, dim=1),
+        torch.stack(logprobs, dim=1) if settings.return_logprobs else None,
+        torch.stack(entropies, dim=1) if settings.return_logprobs else None,
+    )
+
+
+class BuiltinSampling:
+    """The builtin loop (:func:`sample_with_kv_cache`) as a :class:`~rlhf_trainers.generation.GenerationBackend`.
+
+    Args:
+        model: the causal LM to sample from.
+        contexts: factories of the contexts every ``sample`` call runs in (e.g. ZeRO-3 gathering, a
+            faster matmul library), entered in order.
+        fast_steps: a provider of faster decoding steps, asked at every call (it may decline).
+        name: what the batch accounting prints.
+    """
+
+    logprobs_for_rollout = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        contexts: tuple[ContextFactory | None, ...] = (),
+        fast_steps: FastStepsProvider | None = None,
+        name: str = "builtin",
+    ) -> None:
+        self.model = model
+        self.contexts = contexts
+        self.fast_steps = fast_steps
+        self.name = name
+
+    @torch.no_grad()
+    def sample(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings
+    ) -> Samples:
+        """See :meth:`GenerationBackend.sample`."""
+        with entered(self.contexts), eval_mode(self.model):
+            samples = sample_with_kv_cache(self.model, query_ids, query_mask, settings, self.fast_steps)
+        return padded_to(samples, settings.max_new_tokens, settings.pad_token_id)

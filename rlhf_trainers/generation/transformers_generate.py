@@ -1,0 +1,123 @@
+"""``transformers``' ``generate()`` as a generation backend, for architectures the builtin loop cannot drive
+and for multi-process ZeRO-3 without gathered weights (``synced_gpus``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import functional as F
+from ..models import _base
+from .base import ContextFactory, Samples, SamplingSettings, entered, eval_mode, padded_to
+
+__all__ = ["TransformersGenerate", "generation_config_set_aside"]
+
+
+@contextlib.contextmanager
+def generation_config_set_aside(model: Any) -> Iterator[None]:
+    """Inside the context, the model's own ``generation_config`` is replaced by a blank one.
+
+    ``generate()`` fills every setting its ``generation_config=`` argument leaves unset (a
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens``... from a Hub checkpoint's
+    ``generation_config.json``) from the model's own, so sampling could silently follow another
+    distribution than ``softmax(logits / T)``. The original is restored on exit.
+    """
+    from transformers import GenerationConfig
+
+    base = _base(model)
+    saved = getattr(base, "generation_config", None)
+    if saved is not None:
+        base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            base.generation_config = saved
+
+
+class TransformersGenerate:
+    """``model.generate()`` with top-k 0, top-p 1 and nothing from the model's ``generation_config``, as a
+    :class:`~rlhf_trainers.generation.GenerationBackend`.
+
+    Args:
+        model: the causal LM to sample from.
+        synced_ranks: ``generate(synced_gpus=True)``: every process runs as many steps as the slowest,
+            which ZeRO-3 needs when the layers fetch their shards from the other processes.
+        contexts: factories of the contexts every ``sample`` call runs in, entered in order.
+        name: what the batch accounting prints.
+    """
+
+    # Log-probs from generate's own logits, in the generation's code path: the rollout keeps the policy
+    # forward pass unless told otherwise (rollout_logprobs='generation').
+    logprobs_for_rollout = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        synced_ranks: bool = False,
+        contexts: tuple[ContextFactory | None, ...] = (),
+        name: str | None = None,
+    ) -> None:
+        self.model = model
+        self.synced_ranks = synced_ranks
+        self.contexts = contexts
+        self.name = name or (
+            "transformers.generate(synced_gpus)" if synced_ranks else "transformers.generate"
+        )
+
+    @torch.no_grad()
+    def sample(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings
+    ) -> Samples:
+        """See :meth:`GenerationBackend.sample`."""
+        from transformers import GenerationConfig
+
+        stop_ids = list(settings.stop_token_ids)
+        config = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            do_sample=True,
+            temperature=settings.temperature,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=settings.pad_token_id,
+            # [] (not None, which generate() would fill from the model's generation config): sample the
+            # full length, with EOS a token like any other (LHPD's fixed-length responses).
+            eos_token_id=stop_ids,
+            use_cache=True,
+            return_dict_in_generate=settings.return_logprobs,
+            output_logits=settings.return_logprobs,
+        )
+        model = self.model
+        # generate() fills what `config` leaves unset (repetition_penalty, no_repeat_ngram_size,
+        # suppress_tokens, ...) from the model's own generation_config: set a blank one aside meanwhile.
+        with entered(self.contexts), eval_mode(model), generation_config_set_aside(model):
+            out = model.generate(
+                input_ids=query_ids,
+                attention_mask=query_mask,
+                generation_config=config,
+                synced_gpus=self.synced_ranks,
+            )
+        sequences = out.sequences if settings.return_logprobs else out
+        tokens = sequences[:, query_ids.shape[1] :]
+        samples = Samples(tokens)
+        if settings.return_logprobs:
+            logits = torch.stack(out.logits, dim=1)
+            logprobs, entropy = F.logprobs_and_entropy_from_logits(
+                logits,
+                tokens,
+                settings.temperature,
+                compute_dtype=logits.dtype,
+                entropy_dtype=torch.float32,
+            )
+            done = torch.zeros_like(tokens, dtype=torch.bool)
+            if stop_ids:
+                # Positions after a row's stop token (generate pads them): 0, as the builtin loop.
+                hits = torch.isin(tokens, torch.tensor(stop_ids, device=tokens.device))
+                done[:, 1:] = hits.cumsum(1)[:, :-1] > 0
+            samples = Samples(tokens, logprobs.float().masked_fill(done, 0.0), entropy.masked_fill(done, 0.0))
+        return padded_to(samples, settings.max_new_tokens, settings.pad_token_id)

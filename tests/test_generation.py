@@ -1,0 +1,201 @@
+"""Generation behind one interface (``rlhf_trainers.generation``): each backend through the protocol (draws,
+stop handling, log-probs, padding to ``max_new_tokens``), the choice made once at construction and named
+in the batch accounting, and reward normalization sampling through the same interface."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from rlhf_trainers import functional as F
+from rlhf_trainers import generation
+from rlhf_trainers.generation import (
+    BuiltinSampling,
+    GenerationBackend,
+    SamplingSettings,
+    TransformersGenerate,
+    make_generation_backend,
+)
+from rlhf_trainers.onpolicy.trainer import policy_logits
+
+BACKENDS = {"builtin": BuiltinSampling, "transformers": TransformersGenerate}
+
+
+@pytest.fixture(scope="module")
+def policy(kit):
+    return kit.load_model("llama-sft").eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(kit):
+    tok = kit.load_tokenizer()
+    texts = list(kit.prompt_dataset("train", n=8)["prompt"])
+    texts[0] = texts[0] + " " + texts[1]  # rows of different lengths: left padding in the others
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"] == 0).any()
+    return tok, batch["input_ids"], batch["attention_mask"]
+
+
+def _settings(tok, n=12, temperature=0.7, stop=True, logprobs=False) -> SamplingSettings:
+    return SamplingSettings(
+        max_new_tokens=n,
+        pad_token_id=tok.pad_token_id,
+        temperature=temperature,
+        stop_token_ids=[tok.eos_token_id] if stop else [],
+        return_logprobs=logprobs,
+    )
+
+
+def _after_stop(tokens: torch.Tensor, stop_id: int) -> torch.Tensor:
+    """(B, n) True at the positions after a row's first stop token."""
+    hits = tokens == stop_id
+    after = torch.zeros_like(hits)
+    after[:, 1:] = hits.cumsum(1)[:, :-1] > 0
+    return after
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_both_backends_draw_the_same_tokens_for_a_seed(policy, prompts, stop):
+    # Both sample softmax(logits / T) with the same torch.multinomial calls in the same order.
+    tok, ids, mask = prompts
+    settings = _settings(tok, stop=stop)
+    draws = {}
+    for name, cls in BACKENDS.items():
+        backend = cls(policy)
+        assert isinstance(backend, GenerationBackend)
+        torch.manual_seed(3)
+        draws[name] = backend.sample(ids, mask, settings).tokens
+        assert draws[name].shape == (ids.shape[0], 12)  # padded to max_new_tokens
+    assert torch.equal(draws["builtin"], draws["transformers"])
+    if stop:
+        after = _after_stop(draws["builtin"], tok.eos_token_id)
+        assert after.any()  # some rows stopped early: their padding path ran
+        assert (draws["builtin"][after] == tok.pad_token_id).all()
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_logprobs_are_the_forward_pass_values_and_zero_after_a_stop(policy, prompts, name):
+    tok, ids, mask = prompts
+    torch.manual_seed(0)
+    samples = BACKENDS[name](policy).sample(ids, mask, _settings(tok, n=10, logprobs=True))
+    tokens = samples.tokens
+    assert samples.logprobs.shape == samples.entropy.shape == tokens.shape == (ids.shape[0], 10)
+    assert samples.logprobs.dtype == samples.entropy.dtype == torch.float32
+    after = _after_stop(tokens, tok.eos_token_id)
+    assert after.any()
+    keep = ~after
+    full_mask = torch.cat([mask.bool(), keep], dim=1)
+    full_ids = torch.cat([ids, tokens], dim=1).masked_fill(~full_mask, tok.pad_token_id)
+    with torch.no_grad():
+        logits = policy_logits(policy, full_ids, full_mask.long(), F.position_ids_from_mask(full_mask), 11)
+    logprobs, entropy = F.logprobs_and_entropy_from_logits(logits[:, :-1], tokens, 0.7)
+    torch.testing.assert_close(samples.logprobs[keep], logprobs[keep], atol=1e-5, rtol=0)
+    torch.testing.assert_close(samples.entropy[keep], entropy[keep], atol=1e-4, rtol=0)
+    assert (samples.logprobs[after] == 0).all() and (samples.entropy[after] == 0).all()
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_contexts_are_entered_around_each_call_and_the_mode_restored(kit, prompts, name):
+    tok, ids, mask = prompts
+    model = kit.load_model("llama-sft").train()
+    seen = []
+
+    @contextlib.contextmanager
+    def context():
+        seen.append(("enter", model.training))
+        yield
+        seen.append(("exit", model.training))
+
+    backend = BACKENDS[name](model, contexts=(context, None))
+    backend.sample(ids, mask, _settings(tok, n=3))
+    backend.sample(ids, mask, _settings(tok, n=3))
+    assert [event for event, _ in seen] == ["enter", "exit", "enter", "exit"]
+    assert model.training  # sampled in eval mode, then restored
+
+
+def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path):
+    from rlhf_trainers import RLOOConfig
+
+    base = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True}
+    cpu = torch.device("cpu")
+    plain = make_generation_backend(policy)  # reward normalization: the builtin loop as it is
+    assert type(plain) is BuiltinSampling and plain.name == "builtin" and plain.fast_steps is None
+    builtin = make_generation_backend(policy, RLOOConfig(**base), device=cpu)
+    assert type(builtin) is BuiltinSampling and builtin.logprobs_for_rollout
+    assert builtin.name == "builtin (lean Llama steps)" and builtin.fast_steps is not None
+    no_lean = make_generation_backend(policy, RLOOConfig(**base, lean_decoding=False), device=cpu)
+    assert no_lean.name == "builtin" and no_lean.fast_steps is None
+    hf = make_generation_backend(policy, RLOOConfig(**base, generation_loop="transformers"), device=cpu)
+    assert type(hf) is TransformersGenerate and hf.name == "transformers.generate"
+    assert not hf.synced_ranks and not hf.logprobs_for_rollout
+    # Multi-process ZeRO-3 without gathered weights: generate(synced_gpus=True) whatever the loop.
+    synced = make_generation_backend(policy, RLOOConfig(**base), device=cpu, synced_ranks=True)
+    assert type(synced) is TransformersGenerate and synced.synced_ranks
+    assert synced.name == "transformers.generate(synced_gpus)"
+
+    class Unknown:
+        generation_loop = "vllm"
+
+    with pytest.raises(ValueError, match="generation_loop='vllm'"):
+        make_generation_backend(policy, Unknown())
+
+
+@pytest.mark.parametrize("loop", ["builtin", "transformers"])
+def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeypatch, loop):
+    from test_rloo import _trainer
+
+    import rlhf_trainers.onpolicy.trainer as engine
+
+    built = []
+    real = engine.make_generation_backend
+
+    def counting(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(engine, "make_generation_backend", counting)
+    trainer = _trainer(
+        kit, tmp_path, train_n=16, rloo_k=2, response_length=6, max_steps=2, generation_loop=loop
+    )
+    calls = []
+    real_sample = trainer.generation_backend.sample
+
+    def sample(*args, **kwargs):
+        calls.append(1)
+        return real_sample(*args, **kwargs)
+
+    trainer.generation_backend.sample = sample
+    trainer.train()
+    assert len(built) == 1 and trainer.generation_backend is built[0]
+    assert len(calls) >= 2  # every rollout sampled through it
+    expected = "builtin (lean Llama steps)" if loop == "builtin" else "transformers.generate"
+    assert trainer.generation_backend.name == expected
+    assert f"generation: {expected}." in trainer.batch_accounting()
+
+
+def test_reward_normalization_samples_through_the_interface(kit, monkeypatch):
+    from rlhf_trainers.reward_sources import sample_completions
+
+    policy = kit.load_model("llama-sft")
+    tok = kit.load_tokenizer()
+    prompts = list(kit.prompt_dataset("train", n=6)["prompt"])
+    calls = []
+    real = generation.BuiltinSampling.sample
+
+    def spy(self, query_ids, query_mask, settings):
+        calls.append(settings)
+        return real(self, query_ids, query_mask, settings)
+
+    def no_generate(*args, **kwargs):
+        raise AssertionError("reward normalization sampled with its own generate() call")
+
+    monkeypatch.setattr(generation.BuiltinSampling, "sample", spy)
+    monkeypatch.setattr(type(policy), "generate", no_generate)
+    torch.manual_seed(0)
+    completions = sample_completions(policy, tok, prompts, response_length=8, temperature=0.9, batch_size=4)
+    assert len(completions) == 6 and len(calls) == 2  # two batches of at most 4 prompts
+    assert calls[0] == SamplingSettings(
+        max_new_tokens=8, pad_token_id=tok.pad_token_id, temperature=0.9, stop_token_ids=[tok.eos_token_id]
+    )
