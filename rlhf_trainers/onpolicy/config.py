@@ -26,7 +26,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     a *step* is one on-policy update (rollout + ``num_ppo_epochs`` x ``num_mini_batches`` optimizer
     steps), so ``logging_steps``, ``save_steps``, ``eval_steps`` and ``max_steps`` count updates, and the
     learning-rate scheduler anneals over updates (to zero at the last one with the default linear
-    schedule, as the seed does).
+    schedule, as LHPD's schedule does).
 
     Batch sizes (per process, in completions): a rollout collects
     ``per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches`` completions; each
@@ -43,7 +43,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     num_ppo_epochs: int = field(
-        default=4, metadata={"help": "Optimisation epochs over each rollout (the seed's noptepochs)."}
+        default=4, metadata={"help": "Optimisation epochs over each rollout (LHPD's noptepochs)."}
     )
     num_mini_batches: int = field(
         default=1, metadata={"help": "Mini-batches (optimizer steps) per epoch over a rollout."}
@@ -62,12 +62,12 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     response_length: int = field(
-        default=53, metadata={"help": "Maximum new tokens per completion (the seed uses 24 or 53)."}
+        default=53, metadata={"help": "Maximum new tokens per completion (LHPD uses 24 or 53)."}
     )
     temperature: float = field(
         default=0.7,
         metadata={
-            "help": "Sampling temperature; the training log-probs divide the logits by it too (seed detail). "
+            "help": "Sampling temperature; the training log-probs divide the logits by it too (an LHPD detail). "
             "Sampling uses top-k 0 and top-p 1 so that the sampling distribution is the one trained."
         },
     )
@@ -75,21 +75,21 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default="eos",
         metadata={
             "help": "'eos': a response ends at the first EOS token (generation stops there and later tokens "
-            "are padding). None: fixed-length responses that ignore EOS, as in the seed, unless "
+            "are padding). None: fixed-length responses that ignore EOS, as in LHPD, unless "
             "stop_token_id is set."
         },
     )
     stop_token_id: int | None = field(
         default=None,
         metadata={
-            "help": "A token id that ends a response (the seed truncates at a period); overrides stop_token. "
+            "help": "A token id that ends a response (LHPD truncates at a period); overrides stop_token. "
             "Generation runs to response_length and the response is truncated after the first such token "
             "at index >= truncate_after."
         },
     )
     truncate_after: int = field(
         default=0,
-        metadata={"help": "Only stop tokens at response index >= this count end a response (seed: 16)."},
+        metadata={"help": "Only stop tokens at response index >= this count end a response (LHPD: 16)."},
     )
     generation_loop: str = field(
         default="builtin",
@@ -141,7 +141,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     rejection_penalty: float | None = field(
         default=None,
         metadata={
-            "help": "Replace the score of a response without a stop token by this value (the seed's "
+            "help": "Replace the score of a response without a stop token by this value (LHPD's "
             "rejection sampling uses -1). None: off."
         },
     )
@@ -175,7 +175,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default=False,
         metadata={
             "help": "Whiten the per-token rewards over the rollout (all processes) before the advantages, "
-            "keeping their mean (shift_mean=False, the seed's option)."
+            "keeping their mean (shift_mean=False, LHPD's option)."
         },
     )
     overlong_buffer_length: int | None = field(
@@ -205,13 +205,11 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     )
     kl_estimator: str = field(
         default="k1",
-        metadata={"help": "Per-token KL estimator in the reward: 'k1' (the seed), 'k2', 'k3' or 'abs'."},
+        metadata={"help": "Per-token KL estimator in the reward: 'k1' (LHPD's), 'k2', 'k3' or 'abs'."},
     )
     adaptive_kl: bool = field(
         default=False,
-        metadata={
-            "help": "Adapt kl_coef towards kl_target (Ziegler et al.; the seed's AdaptiveKLController)."
-        },
+        metadata={"help": "Adapt kl_coef towards kl_target (Ziegler et al.; LHPD's AdaptiveKLController)."},
     )
     kl_target: float = field(
         default=6.0, metadata={"help": "Target KL (nats per sequence) of the adaptive controller."}
@@ -294,12 +292,12 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     disable_dropout: bool = field(
-        default=True, metadata={"help": "Set every dropout probability to 0 (seed detail)."}
+        default=True, metadata={"help": "Set every dropout probability to 0 (an LHPD detail)."}
     )
     tf_style_adam: bool = field(
         default=False,
         metadata={
-            "help": "Use TFStyleAdam (epsilon inside the bias correction, as TensorFlow and the seed) instead "
+            "help": "Use TFStyleAdam (epsilon inside the bias correction, as TensorFlow and LHPD) instead "
             "of the optimizer chosen by `optim`."
         },
     )

@@ -94,16 +94,16 @@ class EvaluationMixin:
             for start in range(0, len(indices), step):
                 batch = self.data_collator([eval_dataset[i] for i in indices[start : start + step]])
                 samples, scores = self.sample_and_score(batch)
-                parts["objective/scores"].append(scores.raw)
+                parts["objective/scores"].append(scores.total)
                 parts["val/response_length"].append(samples.lengths.float())
                 parts["val/stop_token_rate"].append(scores.found_stop.float())
                 for name, values in scores.per_source.items():
-                    parts[f"objective/scores/{name}"].append(values.to(scores.raw.device))
+                    parts[f"objective/scores/{name}"].append(values.to(scores.total.device))
                 if len(samples_table) < self.args.sample_table_size:
                     samples_table.extend(
                         {"prompt": p, "completion": c, "score": float(x)}
                         for p, c, x in zip(
-                            samples.prompts, scores.completions, scores.raw.tolist(), strict=True
+                            samples.prompts, scores.completions, scores.total.tolist(), strict=True
                         )
                     )
         keep_all = self._gather(keep.float()).bool()

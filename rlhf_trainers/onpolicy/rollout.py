@@ -55,7 +55,7 @@ class Scores:
 
     completions: list[str]
     """N decoded responses (special tokens skipped), what the reward functions scored."""
-    raw: torch.Tensor
+    total: torch.Tensor
     """(N,) weighted sum of the reward sources, before shaping; NaN where a function gave no reward."""
     per_source: dict[str, torch.Tensor]
     """(N,) score of each reward source, by name."""
@@ -241,7 +241,7 @@ class RolloutSteps:
         began = time.perf_counter()
         device = samples.response.device
         completions = self.processing_class.batch_decode(samples.response, skip_special_tokens=True)
-        raw, per_source = self.reward_sources(
+        total, per_source = self.reward_sources(
             query_response_ids=torch.cat([samples.query, samples.response], dim=1),
             prompts=samples.prompts,
             completions=completions,
@@ -256,7 +256,7 @@ class RolloutSteps:
         )
         if timings is not None:
             timings["timing/reward"] += time.perf_counter() - began
-        return Scores(completions, raw.to(device), per_source, found_stop, errors)
+        return Scores(completions, total.to(device), per_source, found_stop, errors)
 
     def sample_and_score(self, batch: dict[str, Any]) -> tuple[Samples, Scores]:
         """Steps 2 and 3 for one collated prompt batch, one response each (what evaluation runs)."""
@@ -367,7 +367,7 @@ class RolloutSteps:
         kl = (
             F.kl_penalty(passes.logprobs, passes.ref_logprobs, self.args.kl_estimator) * samples.response_mask
         )
-        shaped, valid = self._shape_scores(scores.raw, samples.lengths, scores.found_stop)
+        shaped, valid = self._shape_scores(scores.total, samples.lengths, scores.found_stop)
         return Rollout(
             query=samples.query,
             query_mask=samples.query_mask,
@@ -378,7 +378,7 @@ class RolloutSteps:
             entropy=passes.entropy,
             ref_logprobs=passes.ref_logprobs,
             kl=kl * valid[:, None],
-            raw_scores=scores.raw,
+            raw_scores=scores.total,
             scores=shaped,
             valid_rows=valid,
             found_stop=scores.found_stop,

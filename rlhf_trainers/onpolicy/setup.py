@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from ..data import tokenize_prompts
+from ..data import PromptTokenizationStats, tokenize_prompts
 from ..models import (
     _is_peft_model,
     check_one_label,
+    check_onpolicy_models,
     disable_dropout,
     embedding_rows,
+    has_peft_adapter,
     load_reward_model,
     require_peft,
 )
@@ -126,6 +128,11 @@ def load_models(
     copy the policy as the reference when none is given (not under PEFT), check the vocabularies, turn
     dropout off (``disable_dropout``) and freeze the reference and reward models. ``build_value_model``
     is the trainer's hook ``(policy, reward_model, value_model, args) -> value model or None``."""
+    if peft_config is not None and has_peft_adapter(model):
+        raise ValueError(
+            "model already has a PEFT adapter and peft_config was given too; pass the base model with "
+            "peft_config, or the PeftModel without it."
+        )
     policy = load_causal_lm(model, args.model_init_kwargs, "policy")
     if ref_model is not None:
         ref_model = load_causal_lm(ref_model, args.model_init_kwargs, "reference model")
@@ -177,6 +184,40 @@ def load_models(
 class SetupSteps:
     """The construction steps of :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer` that run after
     ``transformers.Trainer.__init__`` (they need the accelerator), and the prompt tokenization."""
+
+    def _prepare_prompts(
+        self,
+        train_dataset: datasets.Dataset,
+        eval_dataset: datasets.Dataset | None,
+        processing_class: PreTrainedTokenizerBase,
+        args: OnPolicyConfig,
+        models: OnPolicyModels,
+        value_model_given: bool,
+    ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+        """Tokenize the prompt datasets (the main process first, so the others read its cache) and check
+        the models against them (:func:`~rlhf_trainers.models.check_onpolicy_models`)."""
+        self.preprocessing_stats: dict[str, PromptTokenizationStats] = {}
+        from accelerate import PartialState
+
+        with PartialState().main_process_first():
+            train_dataset = self._tokenize(train_dataset, processing_class, args, "train", models.vocab)
+            if eval_dataset is not None:
+                eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", models.vocab)
+        check_onpolicy_models(
+            models.policy,
+            processing_class,
+            prompts={"train": train_dataset, **({"eval": eval_dataset} if eval_dataset is not None else {})},
+            response_length=args.response_length,
+            stop_token_ids=self._stop_ids,
+            truncate_after=args.truncate_after,
+            ref_model=models.ref_model,
+            value_model=models.value_model,
+            reward_model=models.reward_model,
+            reward_model_reads_ids=self.reward_sources.same_tokenizer,
+            value_model_from_reward_model=not value_model_given
+            and getattr(args, "value_model_init", None) == "reward_model",
+        )
+        return train_dataset, eval_dataset
 
     def _tokenize(
         self,

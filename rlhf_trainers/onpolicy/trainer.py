@@ -1,15 +1,21 @@
 """OnPolicyTrainer: the loop PPO and RLOO share, as a ``transformers.Trainer``.
 
-One *update* (a Trainer step) is: take the next prompts, generate, score, compute log-probs of the
-policy and the reference, build rewards (scores, penalties, per-token KL), let the subclass compute
-advantages, then ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps of gradient-accumulated
-micro-batches, each with a fresh shuffle. The subclass supplies only what differs between algorithms:
-which extra model it trains (PPO's value model), the advantages, and the loss.
+One *update* (a Trainer step) is :meth:`OnPolicyTrainer._update`, eight numbered steps: 1 prompts,
+2 sample, 3 score, 4 log-probs of policy and reference (+ values), 5 per-token rewards and KL,
+6 advantages (subclass hook), 7 ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps of
+gradient-accumulated micro-batches with the loss (subclass hook), 8 metrics and the KL controller.
+The subclass supplies only what differs between algorithms: which extra model it trains (PPO's value
+model), the advantages, and the loss.
+
+The engine's other parts, each a module of this package: ``rollout`` (the typed
+:class:`~rlhf_trainers.onpolicy.rollout.Rollout` and steps 1-5), ``forward`` (the trained module and
+its forward passes), ``generation_mixin`` (sampling), ``setup`` (construction), ``evaluation`` and
+``checkpoint``.
 
 What comes from ``transformers.Trainer`` unchanged: the optimizer and scheduler creation (the schedule
-runs over updates, so the linear default anneals the learning rate to zero at the last update, as the
-seed does), accelerate/DDP/DeepSpeed preparation, gradient clipping, callbacks, the logging / eval /
-save cadence, checkpoint rotation, RNG-state saving and ``resume_from_checkpoint``.
+runs over updates, so the linear default anneals the learning rate to zero at the last update, as LHPD's
+does), accelerate/DDP/DeepSpeed preparation, gradient clipping, callbacks, the logging / eval / save
+cadence, checkpoint rotation, RNG-state saving and ``resume_from_checkpoint``.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from transformers import PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .. import functional as F
-from ..data import PromptCollator, PromptTokenizationStats
-from ..models import _is_peft_model, check_onpolicy_models, has_peft_adapter
+from ..data import PromptCollator
+from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..rewards import RewardSources
 from ..trainer_utils import AtomicCheckpointMixin, apply_host_memory_settings, reliability_callback
@@ -90,14 +96,7 @@ class OnPolicyTrainer(
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         value_model: str | os.PathLike[str] | PreTrainedModel | None = None,
     ) -> None:
-        config_class = self._config_class
-        if args is None:
-            args = config_class(output_dir=f"{self.algorithm_name.lower()}-output")
-        elif not isinstance(args, config_class):
-            raise TypeError(
-                f"args must be a {config_class.__name__}, got {type(args).__name__}; build one with "
-                f"{config_class.__name__}(output_dir=..., **fields) (it accepts every TrainingArguments field)."
-            )
+        args = self._checked_args(args)
         if train_dataset is None:
             raise ValueError(
                 f"{type(self).__name__} needs a train_dataset of prompts (a 'prompt' column of text or chat "
@@ -105,11 +104,6 @@ class OnPolicyTrainer(
             )
         processing_class = policy_tokenizer(model, processing_class)
         self._stop_ids = resolve_stop_ids(args, processing_class)
-        if peft_config is not None and has_peft_adapter(model):
-            raise ValueError(
-                "model already has a PEFT adapter and peft_config was given too; pass the base model with "
-                "peft_config, or the PeftModel without it."
-            )
         if reward_model is None and not reward_funcs:
             raise ValueError(
                 "No reward: pass reward_model= (a one-label sequence-classification model or its path), "
@@ -128,18 +122,12 @@ class OnPolicyTrainer(
             args,
             self.build_value_model,
         )
-        policy, ref_model, reward_model, value = (
-            models.policy,
-            models.ref_model,
-            models.reward_model,
-            models.value_model,
-        )
-        self.is_peft, vocab = models.is_peft, models.vocab
-        self.ref_model = ref_model
-        self.reward_model = reward_model
+        self.is_peft = models.is_peft
+        self.ref_model = models.ref_model
+        self.reward_model = models.reward_model
         self.reward_sources = RewardSources(
             policy_tokenizer=processing_class,
-            reward_model=reward_model,
+            reward_model=models.reward_model,
             reward_tokenizer=models.reward_processing_class,
             reward_funcs=reward_funcs,
             reward_weights=args.reward_weights,
@@ -148,32 +136,19 @@ class OnPolicyTrainer(
         )
 
         # ---- data ----
-        self.preprocessing_stats: dict[str, PromptTokenizationStats] = {}
-        from accelerate import PartialState
-
-        with PartialState().main_process_first():
-            train_dataset = self._tokenize(train_dataset, processing_class, args, "train", vocab)
-            if eval_dataset is not None:
-                eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", vocab)
-        check_onpolicy_models(
-            policy,
+        train_dataset, eval_dataset = self._prepare_prompts(
+            train_dataset,
+            eval_dataset,
             processing_class,
-            prompts={"train": train_dataset, **({"eval": eval_dataset} if eval_dataset is not None else {})},
-            response_length=args.response_length,
-            stop_token_ids=self._stop_ids,
-            truncate_after=args.truncate_after,
-            ref_model=ref_model,
-            value_model=value,
-            reward_model=reward_model,
-            reward_model_reads_ids=self.reward_sources.same_tokenizer,
-            value_model_from_reward_model=value_model is None
-            and getattr(args, "value_model_init", None) == "reward_model",
+            args,
+            models,
+            value_model_given=value_model is not None,
         )
         if data_collator is None:
             data_collator = PromptCollator(processing_class.pad_token_id)
 
         super().__init__(
-            model=PolicyAndValue(policy, value),
+            model=PolicyAndValue(models.policy, models.value_model),
             args=args,
             data_collator=data_collator,
             train_dataset=train_dataset,
@@ -197,6 +172,18 @@ class OnPolicyTrainer(
         self.interrupted = False
         self._reliability = reliability_callback(self)
         self.add_callback(self._reliability)
+
+    def _checked_args(self, args: OnPolicyConfig | None) -> OnPolicyConfig:
+        """``args``, or the default config of the subclass; a config of another class is refused."""
+        config_class = self._config_class
+        if args is None:
+            args = config_class(output_dir=f"{self.algorithm_name.lower()}-output")
+        elif not isinstance(args, config_class):
+            raise TypeError(
+                f"args must be a {config_class.__name__}, got {type(args).__name__}; build one with "
+                f"{config_class.__name__}(output_dir=..., **fields) (it accepts every TrainingArguments field)."
+            )
+        return args
 
     def build_value_model(
         self,

@@ -1,6 +1,7 @@
 """PPOTrainer: what is PPO-only on top of the on-policy engine: the value model, GAE, the value loss.
 
-The whole algorithm per update (the engine does the rest, see :mod:`rlhf_trainers.onpolicy.trainer`):
+The whole algorithm per update (the engine runs the steps, see ``OnPolicyTrainer._update``; PPO supplies
+the value model, step 6 and the loss of step 7):
 
 1. rollout: responses, log-probs of policy and reference, values V(s_t), scores;
 2. per-token rewards ``r_t = -beta * KL_t`` plus the score at the last token (optionally whitened);

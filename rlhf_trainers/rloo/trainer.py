@@ -1,7 +1,8 @@
 """RLOOTrainer: what is RLOO-only on top of the on-policy engine: k completions per prompt and the
 leave-one-out baseline. No value model: three models (policy, reference, reward) instead of PPO's four.
 
-Per update (the engine does the rest, see :mod:`rlhf_trainers.onpolicy.trainer`):
+Per update (the engine runs the steps, see ``OnPolicyTrainer._update``; RLOO supplies step 6 and the loss
+of step 7):
 
 1. rollout of ``rloo_k`` completions per prompt (the k copies of the prompt batch concatenated, as the
    RLOO blog lays them out: completion j of prompt i at row ``j * B + i``);
