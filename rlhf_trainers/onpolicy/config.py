@@ -348,6 +348,15 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"reward_func_errors={self.reward_func_errors!r}: expected one of {REWARD_ERROR_MODES}."
             )
+        self._check_counts()
+        self._check_sampling_fields()
+        self._check_reward_and_loss_fields()
+        plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
+        if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
+            self.check_deepspeed_config(plugin.deepspeed_config)
+
+    def _check_counts(self) -> None:
+        """Counts and sizes: integers in their ranges."""
         for name in (
             "num_ppo_epochs",
             "num_mini_batches",
@@ -374,6 +383,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
                 f"num_sample_generations={self.num_sample_generations}, truncate_after={self.truncate_after}: "
                 "both must be >= 0."
             )
+
+    def _check_sampling_fields(self) -> None:
+        """Temperature, stop token, generation loop and where the rollout log-probs come from."""
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature={self.temperature}: expected a finite number > 0 (1.0 samples as is)."
@@ -399,6 +411,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
                 "and the training pass with it, so the rollout log-probs would not be the training policy's. "
                 "Use rollout_logprobs='forward' (or 'auto'), or disable_dropout=True."
             )
+
+    def _check_reward_and_loss_fields(self) -> None:
+        """Reward shaping, KL and the clipped loss."""
         if self.missing_eos_penalty is not None and self.rejection_penalty is not None:
             raise ValueError(
                 "missing_eos_penalty and rejection_penalty are two ways to penalise a response without a stop "
@@ -439,9 +454,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             )
         if self.overlong_penalty < 0:
             raise ValueError(f"overlong_penalty={self.overlong_penalty}: expected a number >= 0.")
-        plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
-        if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
-            self.check_deepspeed_config(plugin.deepspeed_config)
 
     def check_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         """Raise a ValueError for DeepSpeed settings that cannot work with these fields.
