@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf_trainers import functional as F
-from rlhf_trainers.onpolicy.trainer import fused_head_matches
+from rlhf_trainers.onpolicy.forward import fused_head_matches
 from tests.test_rloo import _digest, _trainer
 
 

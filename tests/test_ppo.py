@@ -20,7 +20,7 @@ from transformers import (
 
 from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, TFStyleAdam
 from rlhf_trainers import functional as F
-from rlhf_trainers.onpolicy.trainer import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
+from rlhf_trainers.onpolicy.checkpoint import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
 from rlhf_trainers.testing import true_reward
 
 # Settings under which the tiny policy learns the task in a few seconds.
@@ -285,11 +285,10 @@ def test_reward_model_with_a_different_tokenizer(kit, tmp_path):
 
     alt = kit.load_tokenizer("alt")
     texts = [
-        join_prompt_completion(p, c, alt)
-        for p, c in zip(rollout["prompts"], rollout["completions"], strict=True)
+        join_prompt_completion(p, c, alt) for p, c in zip(rollout.prompts, rollout.completions, strict=True)
     ]
     expected = score_texts(trainer.reward_model, alt, texts, add_eos=True)
-    assert torch.allclose(rollout["raw_scores"].cpu(), expected, atol=1e-5)
+    assert torch.allclose(rollout.raw_scores.cpu(), expected, atol=1e-5)
 
 
 def test_several_reward_functions_are_weighted(kit, tmp_path):
@@ -299,8 +298,8 @@ def test_several_reward_functions_are_weighted(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, reward_funcs=[true_reward, length_bonus], reward_weights=[2.0, -1.0])
     trainer.train()
     r = trainer._last_rollout
-    expected = 2.0 * r["per_source"]["true_reward"] - 1.0 * r["per_source"]["length_bonus"]
-    assert torch.allclose(r["raw_scores"].cpu(), expected, atol=1e-6)
+    expected = 2.0 * r.per_source["true_reward"] - 1.0 * r.per_source["length_bonus"]
+    assert torch.allclose(r.raw_scores.cpu(), expected, atol=1e-6)
 
 
 def test_dataset_columns_reach_reward_functions(kit, tmp_path):
@@ -345,7 +344,7 @@ def test_chat_and_tokenized_prompts_train(kit, tmp_path, form):
     assert trainer.state.global_step == 1
     r = trainer._last_rollout
     if form == "chat":
-        assert isinstance(r["prompts"][0], list) and r["prompts"][0][0]["role"] == "user"
+        assert isinstance(r.prompts[0], list) and r.prompts[0][0]["role"] == "user"
 
 
 def test_long_prompts_are_truncated_from_the_left_and_counted(kit, tmp_path):
@@ -359,17 +358,17 @@ def test_rollout_uses_left_padding_and_position_ids(kit, tmp_path):
     trainer = _trainer(kit, tmp_path)
     batch = trainer._prompt_batch(0)
     r = trainer.rollout(batch)
-    q, qm = r["query"], r["query_mask"]
+    q, qm = r.query, r.query_mask
     assert (q[~qm] == trainer.processing_class.pad_token_id).all()
     assert qm[:, -1].all(), "prompts are left-padded: the last query column is real for every row"
     # The rollout log-probs equal an unpadded forward pass row by row.
     policy = trainer.policy
     for i in range(3):
-        ids = torch.cat([q[i][qm[i]], r["response"][i][: r["lengths"][i]]])[None]
+        ids = torch.cat([q[i][qm[i]], r.response[i][: r.lengths[i]]])[None]
         logits = policy(input_ids=ids).logits
-        n = int(r["lengths"][i])
+        n = int(r.lengths[i])
         expected = F.logprobs_from_logits(logits[:, -n - 1 : -1], ids[:, -n:], trainer.args.temperature)
-        assert torch.allclose(r["logprobs"][i, :n], expected[0], atol=1e-4)
+        assert torch.allclose(r.logprobs[i, :n], expected[0], atol=1e-4)
 
 
 # ---- options --------------------------------------------------------------------------------------
@@ -378,15 +377,15 @@ def test_rollout_uses_left_padding_and_position_ids(kit, tmp_path):
 def test_fixed_length_responses_ignore_eos(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, stop_token=None, response_length=10)
     r = trainer.rollout(trainer._prompt_batch(0))
-    assert (r["lengths"] == 10).all()
-    assert r["response_mask"].all()
+    assert (r.lengths == 10).all()
+    assert r.response_mask.all()
     # Generation did not stop at EOS either: no padding anywhere, and EOS sampled mid-response is kept.
-    assert not (r["response"] == trainer.processing_class.pad_token_id).any()
+    assert not (r.response == trainer.processing_class.pad_token_id).any()
     eos = _trainer(kit, tmp_path, response_length=10)
     r = eos.rollout(eos._prompt_batch(0))
-    assert (r["lengths"] < 10).any(), "with stop_token='eos' responses end at EOS"
+    assert (r.lengths < 10).any(), "with stop_token='eos' responses end at EOS"
     eos_id = eos.processing_class.eos_token_id
-    for row, n in zip(r["response"], r["lengths"], strict=True):
+    for row, n in zip(r.response, r.lengths, strict=True):
         if n < 10:
             assert row[n - 1] == eos_id and (row[n:] == eos.processing_class.pad_token_id).all()
 
@@ -398,13 +397,13 @@ def test_stop_token_id_with_truncate_after_and_rejection_penalty(kit, tmp_path):
         kit, tmp_path, stop_token_id=period, truncate_after=2, rejection_penalty=-1.0, response_length=10
     )
     r = trainer.rollout(trainer._prompt_batch(0))
-    for row, n, found in zip(r["response"], r["lengths"], r["found_stop"], strict=True):
+    for row, n, found in zip(r.response, r.lengths, r.found_stop, strict=True):
         hits = [i for i, t in enumerate(row[:n].tolist()) if t == period and i >= 2]
         if found:
             assert hits and hits[0] == n - 1
         else:
             assert n == 10 and not hits
-    assert torch.all(r["scores"][~r["found_stop"]] == -1.0)
+    assert torch.all(r.scores[~r.found_stop] == -1.0)
 
 
 def test_score_shaping_order_and_values(kit, tmp_path):
@@ -435,7 +434,7 @@ def test_nan_rewards_are_masked_out_and_counted(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, reward_funcs=sometimes_none, max_steps=1, logging_steps=1)
     trainer.train()
     r = trainer._last_rollout
-    assert not r["response_mask"][~r["valid_rows"]].any()
+    assert not r.response_mask[~r.valid_rows].any()
     logged = next(h for h in trainer.state.log_history if "rollout/invalid_rewards" in h)
     assert logged["rollout/invalid_rewards"] == 4
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
@@ -445,12 +444,12 @@ def test_nan_rewards_are_masked_out_and_counted(kit, tmp_path):
 def test_kl_estimator(kit, tmp_path, estimator):
     trainer = _trainer(kit, tmp_path, kl_estimator=estimator)
     r = trainer.rollout(trainer._prompt_batch(0))
-    expected = F.kl_penalty(r["logprobs"], r["ref_logprobs"], estimator) * r["response_mask"]
-    assert torch.allclose(r["kl"], expected)
+    expected = F.kl_penalty(r.logprobs, r.ref_logprobs, estimator) * r.response_mask
+    assert torch.allclose(r.kl, expected)
     rewards = trainer.token_rewards(r)
-    last = r["lengths"] - 1
-    non_score = -trainer.args.kl_coef * r["kl"]
-    non_score[torch.arange(len(last)), last] += r["scores"]
+    last = r.lengths - 1
+    non_score = -trainer.args.kl_coef * r.kl
+    non_score[torch.arange(len(last)), last] += r.scores
     assert torch.allclose(rewards, non_score, atol=1e-6)
 
 
@@ -472,7 +471,7 @@ def test_reward_whitening_keeps_the_mean(kit, tmp_path):
     raw = trainer.token_rewards(r)
     trainer.args.whiten_rewards = True
     white = trainer.token_rewards(r)
-    mask = r["response_mask"]
+    mask = r.response_mask
     assert F.masked_mean(white, mask) == pytest.approx(float(F.masked_mean(raw, mask)), abs=1e-5)
     assert F.masked_var(white, mask) == pytest.approx(1.0, abs=1e-3)
 
@@ -480,39 +479,39 @@ def test_reward_whitening_keeps_the_mean(kit, tmp_path):
 def test_gae_options_reach_the_advantages(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, lam_value=1.0, whiten_advantages=False)
     r = trainer.rollout(trainer._prompt_batch(0))
-    trainer.compute_advantages(r)
-    mask = r["response_mask"]
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
+    mask = r.response_mask
     # lam_value = gamma = 1: the returns are the reward-to-go (Monte-Carlo), whatever the values.
-    to_go = (r["rewards"] * mask).flip(1).cumsum(1).flip(1) * mask
-    assert torch.allclose(r["returns"], to_go, atol=1e-5)
-    assert abs(float(F.masked_mean(r["advantages"], mask))) > 1e-3  # not whitened
+    to_go = (adv.rewards * mask).flip(1).cumsum(1).flip(1) * mask
+    assert torch.allclose(adv.returns, to_go, atol=1e-5)
+    assert abs(float(F.masked_mean(adv.advantages, mask))) > 1e-3  # not whitened
     trainer.args.whiten_advantages = True
-    trainer.compute_advantages(r)
-    assert float(F.masked_mean(r["advantages"], mask)) == pytest.approx(0.0, abs=1e-5)
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
+    assert float(F.masked_mean(adv.advantages, mask)) == pytest.approx(0.0, abs=1e-5)
     trainer.args.length_adaptive_alpha = 0.05
     trainer.args.whiten_advantages = False
-    adv_before = r["advantages"].clone()
-    trainer.compute_advantages(r)
-    assert not torch.allclose(adv_before, r["advantages"])
+    adv_before = adv.advantages.clone()
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
+    assert not torch.allclose(adv_before, adv.advantages)
 
 
 def test_clip_options_change_the_loss(kit, tmp_path):
     trainer = _trainer(kit, tmp_path)
     r = trainer.rollout(trainer._prompt_batch(0))
-    trainer.compute_advantages(r)
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
     idx = torch.arange(8)
     # A policy far from the rollout one: large ratios.
-    logprobs = r["logprobs"] + torch.linspace(-2, 2, r["logprobs"].shape[1])
-    values = r["values"] + 1.0
-    base, m = trainer.compute_policy_loss(r, idx, logprobs, values)
+    logprobs = r.logprobs + torch.linspace(-2, 2, r.logprobs.shape[1])
+    values = r.values + 1.0
+    base, m = trainer.compute_policy_loss(r, adv, idx, logprobs, values)
     trainer.args.cliprange_high = 0.5
-    high, _ = trainer.compute_policy_loss(r, idx, logprobs, values)
+    high, _ = trainer.compute_policy_loss(r, adv, idx, logprobs, values)
     trainer.args.cliprange_high = None
     trainer.args.dual_clip = 1.5
-    dual, md = trainer.compute_policy_loss(r, idx, logprobs, values)
+    dual, md = trainer.compute_policy_loss(r, adv, idx, logprobs, values)
     trainer.args.dual_clip = None
     trainer.args.cliprange_value = None
-    unclipped_v, _ = trainer.compute_policy_loss(r, idx, logprobs, values)
+    unclipped_v, _ = trainer.compute_policy_loss(r, adv, idx, logprobs, values)
     assert not torch.isclose(base, high) and not torch.isclose(base, dual)
     assert float(md["policy/dual_clipfrac_avg"]) > 0
     assert not torch.isclose(base, unclipped_v)
@@ -774,7 +773,8 @@ def test_both_penalties_is_an_error(tmp_path):
 def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(kit, tmp_path, monkeypatch):
     """PPO's rollout and training forward passes skip the all-padding prompt and response columns; the
     values, log-probs, losses and gradients (policy and value model) are those of full-width passes."""
-    from rlhf_trainers.onpolicy import trainer as engine
+    from rlhf_trainers.onpolicy import forward
+    from rlhf_trainers.onpolicy import rollout as rollout_steps
 
     R = 10
     trainer = _trainer(
@@ -792,17 +792,17 @@ def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(k
     batch = trainer._prompt_batch(0)
     trimmed = trainer.rollout(batch)
     with monkeypatch.context() as m:
-        m.setattr(engine, "_trim_bounds", lambda qm, rm: (0, rm.shape[1]))
+        m.setattr(rollout_steps, "trim_bounds", lambda query_mask, response_mask: (0, response_mask.shape[1]))
         full = trainer.rollout(batch)
-    mask = trimmed["response_mask"]
-    assert int(trimmed["lengths"].max()) == 5
+    mask = trimmed.response_mask
+    assert int(trimmed.lengths.max()) == 5
     for key in ("logprobs", "ref_logprobs", "values"):
-        torch.testing.assert_close(trimmed[key] * mask, full[key] * mask, atol=2e-5, rtol=0)
+        torch.testing.assert_close(getattr(trimmed, key) * mask, getattr(full, key) * mask, atol=2e-5, rtol=0)
 
-    trainer.compute_advantages(trimmed)
-    qlen = trimmed["query_mask"].sum(1)
+    trimmed_adv = trainer.compute_advantages(trimmed, trainer.token_rewards(trimmed))
+    qlen = trimmed.query_mask.sum(1)
     idx = torch.nonzero(qlen < qlen.max()).flatten()[:4]
-    start, end = engine._trim_bounds(trimmed["query_mask"][idx], mask[idx])
+    start, end = forward.trim_bounds(trimmed.query_mask[idx], mask[idx])
     assert start > 0 and end == 5
     model = trainer.model
     results = []
@@ -810,7 +810,7 @@ def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(k
         model.zero_grad()
         logprobs, values, _ = trainer._training_forward(model, trimmed, idx, bounds)
         assert logprobs.shape == values.shape == (len(idx), R)
-        loss, _ = trainer.compute_policy_loss(trimmed, idx, logprobs, values)
+        loss, _ = trainer.compute_policy_loss(trimmed, trimmed_adv, idx, logprobs, values)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         results.append((values.detach() * mask[idx], loss.detach(), grads))

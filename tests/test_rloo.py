@@ -18,7 +18,8 @@ from transformers import TrainerCallback
 
 from rlhf_trainers import PPOConfig, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
-from rlhf_trainers.onpolicy.trainer import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
+from rlhf_trainers.onpolicy.checkpoint import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
+from rlhf_trainers.onpolicy.rollout import Advantages, Rollout
 from rlhf_trainers.rloo import SIMPLE_QUERY_CHAT_TEMPLATE, leave_one_out
 from rlhf_trainers.testing import true_reward
 
@@ -95,10 +96,9 @@ class StopAt(TrainerCallback):
         return control
 
 
-def _rollout(trainer: RLOOTrainer) -> dict:
+def _rollout(trainer: RLOOTrainer) -> tuple[Rollout, Advantages]:
     r = trainer.rollout(trainer._prompt_batch(0))
-    trainer.compute_advantages(r)
-    return r
+    return r, trainer.compute_advantages(r, trainer.token_rewards(r))
 
 
 # ---- learning -------------------------------------------------------------------------------------
@@ -425,10 +425,10 @@ def test_invalid_rewards_in_a_run_get_zero_advantage_and_are_counted(kit, tmp_pa
 
     trainer = _trainer(kit, tmp_path, reward_funcs=sometimes_none, rloo_k=4, max_steps=1, logging_steps=1)
     trainer.train()
-    r = trainer._last_rollout
-    valid = r["valid_rows"]
-    assert (r["advantages"][~valid] == 0).all()
-    assert torch.allclose(r["advantages"][:, 0], leave_one_out(r["rlhf_reward"], valid, 4))
+    r, adv = trainer._last_rollout, trainer._last_advantages
+    valid = r.valid_rows
+    assert (adv.advantages[~valid] == 0).all()
+    assert torch.allclose(adv.advantages[:, 0], leave_one_out(adv.rlhf_reward, valid, 4))
     logged = next(h for h in trainer.state.log_history if "rollout/num_completions_kept" in h)
     assert logged["rollout/num_completions_kept"] == int(valid.sum()) == 8 - 3
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
@@ -441,14 +441,14 @@ def test_rloo_k_copies_each_prompt_k_times(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, rloo_k=4, per_device_train_batch_size=12)
     assert trainer.local_prompts == 3
     batch = trainer._prompt_batch(0)
-    r = _rollout(trainer)
+    r, adv = _rollout(trainer)
     B = batch["input_ids"].shape[0]
-    assert B == 3 and r["query"].shape[0] == r["response"].shape[0] == 12
+    assert B == 3 and r.query.shape[0] == r.response.shape[0] == 12
     for j in range(4):
-        assert torch.equal(r["query"][j * B : (j + 1) * B], batch["input_ids"])
-    assert r["prompts"][:B] * 4 == r["prompts"]
+        assert torch.equal(r.query[j * B : (j + 1) * B], batch["input_ids"])
+    assert r.prompts[:B] * 4 == r.prompts
     # The advantages of a prompt's k completions sum to 0 (leave-one-out over the same prompt).
-    assert torch.allclose(r["advantages"].reshape(4, B).sum(0), torch.zeros(B), atol=1e-5)
+    assert torch.allclose(adv.advantages.reshape(4, B).sum(0), torch.zeros(B), atol=1e-5)
     two = _trainer(kit, tmp_path, rloo_k=2)
     assert two.local_prompts == 4 and two.batch_size == 8
 
@@ -456,37 +456,37 @@ def test_rloo_k_copies_each_prompt_k_times(kit, tmp_path):
 def test_sequence_level_and_token_level_advantages(kit, tmp_path):
     # A reference other than the policy, so that the KL term is not zero.
     trainer = _trainer(kit, tmp_path, rloo_k=4, ref_model=kit.load_model("llama"), kl_coef=0.1)
-    r = _rollout(trainer)
-    mask = r["response_mask"]
-    assert r["kl"].abs().sum() > 0
-    rlhf = r["scores"] - 0.1 * r["kl"].sum(1)
-    assert torch.allclose(r["rlhf_reward"], rlhf, atol=1e-6)
-    assert r["advantages"].shape == (8, 1)  # one action per completion
-    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
+    r, adv = _rollout(trainer)
+    mask = r.response_mask
+    assert r.kl.abs().sum() > 0
+    rlhf = r.scores - 0.1 * r.kl.sum(1)
+    assert torch.allclose(adv.rlhf_reward, rlhf, atol=1e-6)
+    assert adv.advantages.shape == (8, 1)  # one action per completion
+    assert torch.allclose(adv.advantages[:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
 
     trainer.args.token_level_kl = True
-    trainer.compute_advantages(r)
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
     rewards = trainer.token_rewards(r)  # -kl_coef * KL per token, score at the last token
     to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
     returns = to_go[:, 0]
     assert torch.allclose(returns, rlhf, atol=1e-5)  # same total reward, spread over the tokens
     baseline = returns - F.rloo_advantages(returns, 4)  # mean return of the other 3 completions
     expected = (to_go - baseline[:, None]) * mask
-    assert r["advantages"].shape == mask.shape
-    assert torch.allclose(r["advantages"], expected, atol=1e-5)
-    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
+    assert adv.advantages.shape == mask.shape
+    assert torch.allclose(adv.advantages, expected, atol=1e-5)
+    assert torch.allclose(adv.advantages[:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
 
 
 def test_kl_coef_enters_the_sequence_reward(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, rloo_k=4, ref_model=kit.load_model("llama"))
     r = trainer.rollout(trainer._prompt_batch(0))
     trainer.kl_ctl = F.FixedKLController(0.0)
-    trainer.compute_advantages(r)
-    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(r["scores"], 4), atol=1e-6)
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
+    assert torch.allclose(adv.advantages[:, 0], F.rloo_advantages(r.scores, 4), atol=1e-6)
     trainer.kl_ctl = F.FixedKLController(0.5)
-    trainer.compute_advantages(r)
-    rlhf = r["scores"] - 0.5 * r["kl"].sum(1)
-    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
+    rlhf = r.scores - 0.5 * r.kl.sum(1)
+    assert torch.allclose(adv.advantages[:, 0], F.rloo_advantages(rlhf, 4), atol=1e-5)
 
 
 def test_normalize_advantage_gives_zero_mean_over_valid_completions(kit, tmp_path):
@@ -494,72 +494,75 @@ def test_normalize_advantage_gives_zero_mean_over_valid_completions(kit, tmp_pat
         return [None if i == 0 else float(len(c)) for i, c in enumerate(completions)]
 
     trainer = _trainer(kit, tmp_path, reward_funcs=sometimes_none, rloo_k=4, per_device_train_batch_size=16)
-    r = _rollout(trainer)
-    valid = r["valid_rows"][:, None]
-    raw = r["advantages"].clone()
+    r, adv = _rollout(trainer)
+    valid = r.valid_rows[:, None]
+    raw = adv.advantages.clone()
     trainer.args.normalize_advantage = True
-    trainer.compute_advantages(r)
-    adv = r["advantages"]
-    assert float(F.masked_mean(adv, valid)) == pytest.approx(0.0, abs=1e-5)
-    assert float(F.masked_var(adv, valid)) == pytest.approx(1.0, abs=0.1)
-    assert not torch.allclose(adv, raw)
+    whitened = trainer.compute_advantages(r, trainer.token_rewards(r)).advantages
+    assert float(F.masked_mean(whitened, valid)) == pytest.approx(0.0, abs=1e-5)
+    assert float(F.masked_var(whitened, valid)) == pytest.approx(1.0, abs=0.1)
+    assert not torch.allclose(whitened, raw)
     trainer.args.token_level_kl = True
-    trainer.compute_advantages(r)
-    assert float(F.masked_mean(r["advantages"], r["response_mask"])) == pytest.approx(0.0, abs=1e-5)
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
+    assert float(F.masked_mean(adv.advantages, r.response_mask)) == pytest.approx(0.0, abs=1e-5)
 
 
 def test_sequence_loss_is_ppos_clipped_objective_on_summed_logprobs(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, rloo_k=4, cliprange=0.2)
-    r = _rollout(trainer)
+    r, adv = _rollout(trainer)
     idx = torch.tensor([0, 3, 5, 6])
-    mask = r["response_mask"][idx]
+    mask = r.response_mask[idx]
     shift = torch.linspace(-0.3, 0.3, mask.shape[1])  # a policy away from the rollout one
-    logprobs = (r["logprobs"][idx] + shift).requires_grad_(True)
-    loss, metrics = trainer.compute_policy_loss(r, idx, logprobs, None)
+    logprobs = (r.logprobs[idx] + shift).requires_grad_(True)
+    loss, metrics = trainer.compute_policy_loss(r, adv, idx, logprobs, None)
 
-    ratio = ((logprobs - r["logprobs"][idx]) * mask).sum(1).exp()
-    adv = r["advantages"][idx, 0]
-    per_seq = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    ratio = ((logprobs - r.logprobs[idx]) * mask).sum(1).exp()
+    sequence_adv = adv.advantages[idx, 0]
+    per_seq = torch.maximum(-sequence_adv * ratio, -sequence_adv * ratio.clamp(0.8, 1.2))
     assert loss.item() == pytest.approx(per_seq.mean().item(), rel=1e-5, abs=1e-7)
-    clipfrac = -adv * ratio.clamp(0.8, 1.2) > -adv * ratio  # the clip binds (PPO's clipfrac)
+    clipfrac = (
+        -sequence_adv * ratio.clamp(0.8, 1.2) > -sequence_adv * ratio
+    )  # the clip binds (PPO's clipfrac)
     assert float(metrics["policy/clipfrac_avg"]) == pytest.approx(clipfrac.float().mean().item())
     assert float(metrics["val/ratio"]) == pytest.approx(ratio.mean().item(), rel=1e-5)
     # At ratio 1 the gradient is REINFORCE's: -A * d(sum log p) per sequence (the blog's point).
-    at_start = r["logprobs"][idx].clone().requires_grad_(True)
-    loss, _ = trainer.compute_policy_loss(r, idx, at_start, None)
+    at_start = r.logprobs[idx].clone().requires_grad_(True)
+    loss, _ = trainer.compute_policy_loss(r, adv, idx, at_start, None)
     loss.backward()
-    reinforce = -(adv[:, None] * mask) / len(idx)
+    reinforce = -(sequence_adv[:, None] * mask) / len(idx)
     assert torch.allclose(at_start.grad, reinforce, atol=1e-6)
 
 
 def test_truncated_importance_sampling_weights(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, rloo_k=4, truncated_is_cap=2.0)
     assert trainer.needs_generation_logprobs
-    r = _rollout(trainer)
-    mask = r["response_mask"]
-    seq = ((r["logprobs"] - r["gen_logprobs"]) * mask).sum(1, keepdim=True)
-    assert torch.allclose(r["is_weights"], seq.exp().clamp(max=2.0))
+    r, adv = _rollout(trainer)
+    mask = r.response_mask
+    seq = ((r.logprobs - r.generation_logprobs) * mask).sum(1, keepdim=True)
+    assert torch.allclose(adv.importance_weights, seq.exp().clamp(max=2.0))
     # fp32: generation and the training-mode forward agree, the weights are 1.
-    assert torch.allclose(r["is_weights"], torch.ones_like(r["is_weights"]), atol=1e-4)
+    assert torch.allclose(adv.importance_weights, torch.ones_like(adv.importance_weights), atol=1e-4)
     # A forced mismatch: the generation saw each token as 0.5 nats less likely -> capped at 2.
-    r["gen_logprobs"] = r["logprobs"] - 0.5
-    trainer.compute_advantages(r)
+    r.generation_logprobs = r.logprobs - 0.5
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
     lengths = mask.sum(1, keepdim=True)
-    assert torch.allclose(r["is_weights"], (0.5 * lengths).exp().clamp(max=2.0))
-    assert (r["is_weights"][lengths >= 2] == 2.0).all()
+    assert torch.allclose(adv.importance_weights, (0.5 * lengths).exp().clamp(max=2.0))
+    assert (adv.importance_weights[lengths >= 2] == 2.0).all()
     # The weights multiply each sequence's clipped loss.
     idx = torch.arange(8)
-    weighted, _ = trainer.compute_policy_loss(r, idx, r["logprobs"], None)
-    expected = (-r["advantages"][:, 0] * r["is_weights"][:, 0]).mean()
+    weighted, _ = trainer.compute_policy_loss(r, adv, idx, r.logprobs, None)
+    expected = (-adv.advantages[:, 0] * adv.importance_weights[:, 0]).mean()
     assert weighted.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
     # Token level: one weight per token.
     trainer.args.token_level_kl = True
-    trainer.compute_advantages(r)
-    assert r["is_weights"].shape == mask.shape
-    assert torch.allclose(r["is_weights"][mask], torch.full_like(r["is_weights"][mask], math.exp(0.5)))
+    adv = trainer.compute_advantages(r, trainer.token_rewards(r))
+    assert adv.importance_weights.shape == mask.shape
+    assert torch.allclose(
+        adv.importance_weights[mask], torch.full_like(adv.importance_weights[mask], math.exp(0.5))
+    )
     # Without the cap there are no generation log-probs and no weights.
-    plain = _rollout(_trainer(kit, tmp_path, rloo_k=4))
-    assert "gen_logprobs" not in plain and "is_weights" not in plain
+    plain, plain_adv = _rollout(_trainer(kit, tmp_path, rloo_k=4))
+    assert plain.generation_logprobs is None and plain_adv.importance_weights is None
 
 
 def test_truncated_importance_sampling_metrics_with_a_real_mismatch(kit, tmp_path):
@@ -578,17 +581,17 @@ def test_reward_clip_and_missing_eos_penalty_shape_the_scores(kit, tmp_path):
         return [5.0 if i % 2 else -5.0 for i in range(len(completions))]
 
     trainer = _trainer(kit, tmp_path, reward_funcs=loud, reward_clip=1.0, rloo_k=4)
-    r = _rollout(trainer)
-    assert set(r["scores"].tolist()) <= {1.0, -1.0}
-    assert torch.allclose(r["advantages"][:, 0], F.rloo_advantages(r["rlhf_reward"], 4), atol=1e-6)
+    r, adv = _rollout(trainer)
+    assert set(r.scores.tolist()) <= {1.0, -1.0}
+    assert torch.allclose(adv.advantages[:, 0], F.rloo_advantages(adv.rlhf_reward, 4), atol=1e-6)
 
     def zero(prompts, completions, **kwargs):
         return [0.0] * len(completions)
 
     short = _trainer(kit, tmp_path, reward_funcs=zero, missing_eos_penalty=1.0, response_length=2, rloo_k=4)
     r = short.rollout(short._prompt_batch(0))
-    assert (~r["found_stop"]).any()
-    assert torch.equal(r["scores"], -(~r["found_stop"]).float())
+    assert (~r.found_stop).any()
+    assert torch.equal(r.scores, -(~r.found_stop).float())
 
 
 # ---- metrics --------------------------------------------------------------------------------------
@@ -615,9 +618,9 @@ def test_metrics_have_the_rloo_names_and_no_critic(kit, tmp_path):
     assert logged["policy/ratio_at_start"] < 1e-5
     assert logged["policy/seq_ratio_at_start_mean"] == pytest.approx(1.0, abs=1e-5)
     assert logged["policy/seq_ratio_at_start_clipfrac"] == 0
-    r = trainer._last_rollout
-    assert logged["objective/rlhf_reward"] == pytest.approx(float(r["rlhf_reward"].mean()), abs=1e-5)
-    std = r["rlhf_reward"].reshape(4, 2).std(0, unbiased=False).mean()
+    adv = trainer._last_advantages
+    assert logged["objective/rlhf_reward"] == pytest.approx(float(adv.rlhf_reward.mean()), abs=1e-5)
+    std = adv.rlhf_reward.reshape(4, 2).std(0, unbiased=False).mean()
     assert logged["objective/reward_std_per_prompt"] == pytest.approx(float(std), abs=1e-5)
 
 
@@ -727,8 +730,8 @@ def test_whiten_rewards_with_the_token_level_reward(kit, tmp_path):
     trainer = _trainer(
         kit, tmp_path, whiten_rewards=True, token_level_kl=True, per_device_train_batch_size=16
     )
-    r = _rollout(trainer)
-    mask = r["response_mask"]
+    r, _ = _rollout(trainer)
+    mask = r.response_mask
     assert float(F.masked_var(trainer.token_rewards(r), mask)) == pytest.approx(1.0, abs=1e-3)
 
 
@@ -751,7 +754,8 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
     """Rollout and training forward passes leave out the prompt columns that are padding in every row and
     the response columns after the longest response; log-probs, entropies, losses and gradients are
     those of the full-width passes (temperature != 1, sequence-level and token-level losses)."""
-    from rlhf_trainers.onpolicy import trainer as engine
+    from rlhf_trainers.onpolicy import forward
+    from rlhf_trainers.onpolicy import rollout as rollout_steps
 
     R = 10
     trainer = _trainer(
@@ -768,30 +772,30 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
     batch = trainer._prompt_batch(0)
     trimmed = trainer.rollout(batch)
     with monkeypatch.context() as m:
-        m.setattr(engine, "_trim_bounds", lambda qm, rm: (0, rm.shape[1]))
+        m.setattr(rollout_steps, "trim_bounds", lambda query_mask, response_mask: (0, response_mask.shape[1]))
         full = trainer.rollout(batch)
-    mask = trimmed["response_mask"]
-    assert torch.equal(mask, full["response_mask"]) and int(trimmed["lengths"].max()) == 5
+    mask = trimmed.response_mask
+    assert torch.equal(mask, full.response_mask) and int(trimmed.lengths.max()) == 5
     for key in ("logprobs", "ref_logprobs", "entropy"):
-        torch.testing.assert_close(trimmed[key] * mask, full[key] * mask, atol=2e-5, rtol=0)
-        assert (trimmed[key][:, 5:] == 0).all()  # padded back to R with zeros, at masked positions
+        torch.testing.assert_close(getattr(trimmed, key) * mask, getattr(full, key) * mask, atol=2e-5, rtol=0)
+        assert (getattr(trimmed, key)[:, 5:] == 0).all()  # padded back to R with zeros, at masked positions
 
     # Training forward: a micro-batch whose prompts are all shorter than the rollout's longest one.
-    qlen = trimmed["query_mask"].sum(1)
+    qlen = trimmed.query_mask.sum(1)
     idx = torch.nonzero(qlen < qlen.max()).flatten()[:4]
-    start, end = engine._trim_bounds(trimmed["query_mask"][idx], mask[idx])
+    start, end = forward.trim_bounds(trimmed.query_mask[idx], mask[idx])
     assert start > 0 and end == 5
     model = trainer.model
     for token_level in (False, True):
         trainer.args.token_level_kl = token_level
-        trainer.compute_advantages(trimmed)
+        trimmed_adv = trainer.compute_advantages(trimmed, trainer.token_rewards(trimmed))
         results = []
         for bounds in (None, (0, R)):
             model.zero_grad()
             logprobs, values, entropy = trainer._training_forward(model, trimmed, idx, bounds)
             assert values is None and logprobs.shape == entropy.shape == (len(idx), R)
             assert not entropy.requires_grad
-            loss, _ = trainer.compute_policy_loss(trimmed, idx, logprobs, values)
+            loss, _ = trainer.compute_policy_loss(trimmed, trimmed_adv, idx, logprobs, values)
             loss.backward()
             grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
             results.append((logprobs.detach() * mask[idx], entropy * mask[idx], loss.detach(), grads))

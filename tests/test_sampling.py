@@ -19,7 +19,7 @@ from rlhf_trainers import RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
 from rlhf_trainers.cpu_speedups import lean_llama_steps
 from rlhf_trainers.generation import BuiltinSampling, SamplingSettings, sample_with_kv_cache
-from rlhf_trainers.onpolicy.trainer import policy_logits
+from rlhf_trainers.onpolicy.forward import policy_logits
 
 
 def sample_completions(model, ids, mask, *, lean_decoding=True, **settings):
@@ -277,12 +277,12 @@ def test_rollout_from_generation_matches_the_forward_pass(kit, tmp_path):
     a = fwd.rollout(fwd._prompt_batch(0), timings_f)
     torch.manual_seed(11)
     b = gen.rollout(gen._prompt_batch(0), timings_g)
-    assert torch.equal(a["response"], b["response"])
-    m = a["response_mask"]
+    assert torch.equal(a.response, b.response)
+    m = a.response_mask
     assert m.all(1).sum() < m.shape[0]  # some responses stopped early
-    torch.testing.assert_close(b["logprobs"][m], a["logprobs"][m], atol=1e-5, rtol=0)
-    torch.testing.assert_close(b["entropy"][m], a["entropy"][m], atol=1e-4, rtol=0)
-    torch.testing.assert_close(b["kl"], a["kl"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.logprobs[m], a.logprobs[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.entropy[m], a.entropy[m], atol=1e-4, rtol=0)
+    torch.testing.assert_close(b.kl, a.kl, atol=1e-5, rtol=0)
     assert timings_f["timing/policy"] > 0 and timings_g["timing/policy"] == 0  # the pass was skipped
 
 
@@ -303,8 +303,8 @@ def test_the_models_generation_config_does_not_change_the_draws(kit, tmp_path, l
     model.generation_config.suppress_tokens = [kit.load_tokenizer().eos_token_id]
     tweaked = _trainer(kit, tmp_path, model=model, generation_loop=loop)
     a, b = _seeded_rollout(plain), _seeded_rollout(tweaked)
-    assert torch.equal(a["response"], b["response"])
-    assert (b["lengths"] < 10).any()  # EOS was sampled: suppress_tokens did not apply
+    assert torch.equal(a.response, b.response)
+    assert (b.lengths < 10).any()  # EOS was sampled: suppress_tokens did not apply
     assert tweaked.policy.generation_config.repetition_penalty == 3.0  # set aside, then restored
     # What the settings would have done to a plain generate() call with the same seed.
     tok = tweaked.processing_class
@@ -324,7 +324,7 @@ def test_the_models_generation_config_does_not_change_the_draws(kit, tmp_path, l
             pad_token_id=tok.pad_token_id,
         ),
     )[:, q.shape[1] :]
-    assert not torch.equal(leaked, a["response"][:, : leaked.shape[1]])
+    assert not torch.equal(leaked, a.response[:, : leaked.shape[1]])
 
 
 def test_config_errors(tmp_path):

@@ -26,7 +26,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     a *step* is one on-policy update (rollout + ``num_ppo_epochs`` x ``num_mini_batches`` optimizer
     steps), so ``logging_steps``, ``save_steps``, ``eval_steps`` and ``max_steps`` count updates, and the
     learning-rate scheduler anneals over updates (to zero at the last one with the default linear
-    schedule, as the seed does).
+    schedule, as LHPD's schedule does).
 
     Batch sizes (per process, in completions): a rollout collects
     ``per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches`` completions; each
@@ -43,7 +43,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     num_ppo_epochs: int = field(
-        default=4, metadata={"help": "Optimisation epochs over each rollout (the seed's noptepochs)."}
+        default=4, metadata={"help": "Optimisation epochs over each rollout (LHPD's noptepochs)."}
     )
     num_mini_batches: int = field(
         default=1, metadata={"help": "Mini-batches (optimizer steps) per epoch over a rollout."}
@@ -62,12 +62,12 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     response_length: int = field(
-        default=53, metadata={"help": "Maximum new tokens per completion (the seed uses 24 or 53)."}
+        default=53, metadata={"help": "Maximum new tokens per completion (LHPD uses 24 or 53)."}
     )
     temperature: float = field(
         default=0.7,
         metadata={
-            "help": "Sampling temperature; the training log-probs divide the logits by it too (seed detail). "
+            "help": "Sampling temperature; the training log-probs divide the logits by it too (an LHPD detail). "
             "Sampling uses top-k 0 and top-p 1 so that the sampling distribution is the one trained."
         },
     )
@@ -75,21 +75,21 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default="eos",
         metadata={
             "help": "'eos': a response ends at the first EOS token (generation stops there and later tokens "
-            "are padding). None: fixed-length responses that ignore EOS, as in the seed, unless "
+            "are padding). None: fixed-length responses that ignore EOS, as in LHPD, unless "
             "stop_token_id is set."
         },
     )
     stop_token_id: int | None = field(
         default=None,
         metadata={
-            "help": "A token id that ends a response (the seed truncates at a period); overrides stop_token. "
+            "help": "A token id that ends a response (LHPD truncates at a period); overrides stop_token. "
             "Generation runs to response_length and the response is truncated after the first such token "
             "at index >= truncate_after."
         },
     )
     truncate_after: int = field(
         default=0,
-        metadata={"help": "Only stop tokens at response index >= this count end a response (seed: 16)."},
+        metadata={"help": "Only stop tokens at response index >= this count end a response (LHPD: 16)."},
     )
     generation_loop: str = field(
         default="builtin",
@@ -143,7 +143,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     rejection_penalty: float | None = field(
         default=None,
         metadata={
-            "help": "Replace the score of a response without a stop token by this value (the seed's "
+            "help": "Replace the score of a response without a stop token by this value (LHPD's "
             "rejection sampling uses -1). None: off."
         },
     )
@@ -177,7 +177,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default=False,
         metadata={
             "help": "Whiten the per-token rewards over the rollout (all processes) before the advantages, "
-            "keeping their mean (shift_mean=False, the seed's option)."
+            "keeping their mean (shift_mean=False, LHPD's option)."
         },
     )
     overlong_buffer_length: int | None = field(
@@ -207,13 +207,11 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     )
     kl_estimator: str = field(
         default="k1",
-        metadata={"help": "Per-token KL estimator in the reward: 'k1' (the seed), 'k2', 'k3' or 'abs'."},
+        metadata={"help": "Per-token KL estimator in the reward: 'k1' (LHPD's), 'k2', 'k3' or 'abs'."},
     )
     adaptive_kl: bool = field(
         default=False,
-        metadata={
-            "help": "Adapt kl_coef towards kl_target (Ziegler et al.; the seed's AdaptiveKLController)."
-        },
+        metadata={"help": "Adapt kl_coef towards kl_target (Ziegler et al.; LHPD's AdaptiveKLController)."},
     )
     kl_target: float = field(
         default=6.0, metadata={"help": "Target KL (nats per sequence) of the adaptive controller."}
@@ -296,12 +294,12 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     disable_dropout: bool = field(
-        default=True, metadata={"help": "Set every dropout probability to 0 (seed detail)."}
+        default=True, metadata={"help": "Set every dropout probability to 0 (an LHPD detail)."}
     )
     tf_style_adam: bool = field(
         default=False,
         metadata={
-            "help": "Use TFStyleAdam (epsilon inside the bias correction, as TensorFlow and the seed) instead "
+            "help": "Use TFStyleAdam (epsilon inside the bias correction, as TensorFlow and LHPD) instead "
             "of the optimizer chosen by `optim`."
         },
     )
@@ -352,6 +350,15 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"reward_func_errors={self.reward_func_errors!r}: expected one of {REWARD_ERROR_MODES}."
             )
+        self._check_counts()
+        self._check_sampling_fields()
+        self._check_reward_and_loss_fields()
+        plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
+        if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
+            self.check_deepspeed_config(plugin.deepspeed_config)
+
+    def _check_counts(self) -> None:
+        """Counts and sizes: integers in their ranges."""
         for name in (
             "num_ppo_epochs",
             "num_mini_batches",
@@ -378,6 +385,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
                 f"num_sample_generations={self.num_sample_generations}, truncate_after={self.truncate_after}: "
                 "both must be >= 0."
             )
+
+    def _check_sampling_fields(self) -> None:
+        """Temperature, stop token, generation loop and where the rollout log-probs come from."""
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature={self.temperature}: expected a finite number > 0 (1.0 samples as is)."
@@ -403,6 +413,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
                 "and the training pass with it, so the rollout log-probs would not be the training policy's. "
                 "Use rollout_logprobs='forward' (or 'auto'), or disable_dropout=True."
             )
+
+    def _check_reward_and_loss_fields(self) -> None:
+        """Reward shaping, KL and the clipped loss."""
         if self.missing_eos_penalty is not None and self.rejection_penalty is not None:
             raise ValueError(
                 "missing_eos_penalty and rejection_penalty are two ways to penalise a response without a stop "
@@ -443,9 +456,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             )
         if self.overlong_penalty < 0:
             raise ValueError(f"overlong_penalty={self.overlong_penalty}: expected a number >= 0.")
-        plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
-        if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
-            self.check_deepspeed_config(plugin.deepspeed_config)
 
     def check_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         """Raise a ValueError for DeepSpeed settings that cannot work with these fields.

@@ -1,6 +1,7 @@
 """PPOTrainer: what is PPO-only on top of the on-policy engine: the value model, GAE, the value loss.
 
-The whole algorithm per update (the engine does the rest, see :mod:`rlhf_trainers.onpolicy.trainer`):
+The whole algorithm per update (the engine runs the steps, see ``OnPolicyTrainer._update``; PPO supplies
+the value model, step 6 and the loss of step 7):
 
 1. rollout: responses, log-probs of policy and reference, values V(s_t), scores;
 2. per-token rewards ``r_t = -beta * KL_t`` plus the score at the last token (optionally whitened);
@@ -21,6 +22,7 @@ import torch
 from .. import functional as F
 from ..distributed import copy_model, full_state_dict, gathered, load_full_state_dict
 from ..models import _base, _is_peft_model, check_one_label, find_score_head, load_reward_model
+from ..onpolicy.rollout import Advantages, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
 from .config import PPOConfig
 
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 
 def zero_value_head(model: torch.nn.Module) -> None:
-    """Zero the scalar head (the seed initialises the value head with zeros: V = 0 everywhere at the
+    """Zero the scalar head (LHPD initialises the value head with zeros: V = 0 everywhere at the
     start, so the first advantages are the returns themselves)."""
     _, head = find_score_head(model)
     params = [head.weight] + ([head.bias] if head.bias is not None else [])
@@ -66,7 +68,7 @@ def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
 
 
 class PPOTrainer(OnPolicyTrainer):
-    """PPO for language models (the seed's algorithm, with TRL's interface), as a ``transformers.Trainer``.
+    """PPO for language models (LHPD's algorithm, with TRL's interface), as a ``transformers.Trainer``.
 
     Args:
         model: the policy: a path, Hub id, causal-LM instance or PeftModel.
@@ -133,13 +135,15 @@ class PPOTrainer(OnPolicyTrainer):
             out.append({**group, "params": value, "lr": lr})
         return [g for g in out if g["params"]]
 
-    def compute_advantages(self, rollout: dict[str, Any]) -> None:
+    def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
+        """GAE over the value model's estimates (``gamma``, ``lam``, ``lam_value``, length-adaptive lam);
+        the advantages whitened over all processes (``whiten_advantages``), the returns are the value
+        targets."""
         args = self.args
-        mask = rollout["response_mask"]
-        rewards = self.token_rewards(rollout)
+        mask = rollout.response_mask
         advantages, returns = F.gae_advantages(
             rewards,
-            rollout["values"],
+            rollout.values,
             mask,
             gamma=args.gamma,
             lam=args.lam,
@@ -148,30 +152,35 @@ class PPOTrainer(OnPolicyTrainer):
         )
         if args.whiten_advantages:
             advantages = F.whiten(advantages, mask, shift_mean=True, all_reduce=self._all_reduce)
-        rollout["rewards"] = rewards
-        rollout["advantages"] = advantages.masked_fill(~mask, 0.0)
-        rollout["returns"] = returns
+        return Advantages(advantages=advantages.masked_fill(~mask, 0.0), returns=returns, rewards=rewards)
 
     def compute_policy_loss(
-        self, rollout: dict[str, Any], idx: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor | None
+        self,
+        rollout: Rollout,
+        advantages: Advantages,
+        rows: torch.Tensor,
+        logprobs: torch.Tensor,
+        values: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clipped policy loss plus ``vf_coef`` x clipped value loss; the value loss alone (the policy term
+        with weight 0) during ``critic_warmup_steps``."""
         args = self.args
-        mask = rollout["response_mask"][idx]
+        mask = rollout.response_mask[rows]
         pg_loss, pm = F.clipped_policy_loss(
             logprobs,
-            rollout["logprobs"][idx],
-            rollout["advantages"][idx],
+            rollout.logprobs[rows],
+            advantages.advantages[rows],
             mask,
             clip_low=args.cliprange,
             clip_high=args.cliprange_high,
             dual_clip=args.dual_clip,
             loss_agg_mode=args.loss_agg_mode,
         )
-        assert values is not None
+        assert values is not None, "PPO's loss needs the value model's values"
         vf_loss, vm = F.clipped_value_loss(
             values,
-            rollout["values"][idx],
-            rollout["returns"][idx],
+            rollout.values[rows],
+            advantages.returns[rows],
             mask,
             args.cliprange_value,
             loss_agg_mode=args.loss_agg_mode,
@@ -192,13 +201,13 @@ class PPOTrainer(OnPolicyTrainer):
         }
         return loss, metrics
 
-    def rollout_metrics(self, rollout: dict[str, Any]) -> dict[str, float]:
-        """The engine's metrics plus NeMo's critic metrics over the valid tokens of all processes."""
-        metrics = super().rollout_metrics(rollout)
-        mask = rollout["response_mask"]
-        v = rollout["values"][mask].double()
-        r = rollout["returns"][mask].double()
-        a = rollout["advantages"][mask].double()
+    def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
+        """The engine's metrics plus NeMo RL's critic metrics over the valid tokens of all processes."""
+        metrics = super().rollout_metrics(rollout, advantages)
+        mask = rollout.response_mask
+        v = rollout.values[mask].double()
+        r = advantages.returns[mask].double()
+        a = advantages.advantages[mask].double()
         d = r - v
         sums = torch.stack(
             [

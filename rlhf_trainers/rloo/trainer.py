@@ -1,7 +1,8 @@
 """RLOOTrainer: what is RLOO-only on top of the on-policy engine: k completions per prompt and the
 leave-one-out baseline. No value model: three models (policy, reference, reward) instead of PPO's four.
 
-Per update (the engine does the rest, see :mod:`rlhf_trainers.onpolicy.trainer`):
+Per update (the engine runs the steps, see ``OnPolicyTrainer._update``; RLOO supplies step 6 and the loss
+of step 7):
 
 1. rollout of ``rloo_k`` completions per prompt (the k copies of the prompt batch concatenated, as the
    RLOO blog lays them out: completion j of prompt i at row ``j * B + i``);
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import functional as F
+from ..onpolicy.rollout import Advantages, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
 from .config import RLOOConfig
 
@@ -140,57 +142,66 @@ class RLOOTrainer(OnPolicyTrainer):
     def needs_generation_logprobs(self) -> bool:  # type: ignore[override]
         return self.args.truncated_is_cap is not None
 
-    def compute_advantages(self, rollout: dict[str, Any]) -> None:
+    def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
+        """Leave-one-out advantages over the k completions of each prompt: of the sequence reward
+        ``score - kl_coef * sum_t KL_t`` (default), or per token of the reward-to-go of ``rewards``
+        (``token_level_kl``); optionally whitened, with truncated importance weights against the
+        generation's log-probs (``truncated_is_cap``)."""
         args = self.args
         k = args.rloo_k
-        mask = rollout["response_mask"]
-        valid = rollout["valid_rows"]
+        mask = rollout.response_mask
+        valid = rollout.valid_rows
         if args.token_level_kl:
-            rewards = self.token_rewards(rollout)
             to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
-            returns = to_go[:, 0]
-            baseline = returns - leave_one_out(returns, valid, k)
+            rlhf_reward = to_go[:, 0]
+            baseline = rlhf_reward - leave_one_out(rlhf_reward, valid, k)
             advantages = torch.where(mask, to_go - baseline[:, None], torch.zeros_like(to_go))
-            rollout["rlhf_reward"] = returns
         else:
-            rlhf_reward = rollout["scores"] - self.kl_ctl.value * rollout["kl"].sum(1)
+            rlhf_reward = rollout.scores - self.kl_ctl.value * rollout.kl.sum(1)
             advantages = leave_one_out(rlhf_reward, valid, k)[:, None]
-            rollout["rlhf_reward"] = rlhf_reward
         if args.normalize_advantage:
-            adv_mask = mask if args.token_level_kl else valid[:, None]
-            advantages = F.whiten(advantages, adv_mask, shift_mean=True, all_reduce=self._all_reduce)
-        rollout["advantages"] = advantages
+            advantage_mask = mask if args.token_level_kl else valid[:, None]
+            advantages = F.whiten(advantages, advantage_mask, shift_mean=True, all_reduce=self._all_reduce)
+        weights = None
         if args.truncated_is_cap is not None:
             # training-pass log-probs / generation log-probs, capped: per sequence for the sequence-level
             # loss (the ratio the blog prints), per token for the token-level one.
-            diff = (rollout["logprobs"] - rollout["gen_logprobs"]) * mask
+            difference = (rollout.logprobs - rollout.generation_logprobs) * mask
             if not args.token_level_kl:
-                diff = diff.sum(1, keepdim=True)
-            rollout["is_weights"] = diff.exp().clamp(max=args.truncated_is_cap)
+                difference = difference.sum(1, keepdim=True)
+            weights = difference.exp().clamp(max=args.truncated_is_cap)
+        return Advantages(advantages=advantages, rlhf_reward=rlhf_reward, importance_weights=weights)
 
     def compute_policy_loss(
-        self, rollout: dict[str, Any], idx: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor | None
+        self,
+        rollout: Rollout,
+        advantages: Advantages,
+        rows: torch.Tensor,
+        logprobs: torch.Tensor,
+        values: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO's clipped objective on the sequence log-prob (default; REINFORCE at ratio 1), or per token
+        (``token_level_kl``), weighted by the truncated importance weights when there are any."""
         args = self.args
-        mask = rollout["response_mask"][idx]
-        old = rollout["logprobs"][idx]
-        weights = rollout["is_weights"][idx] if "is_weights" in rollout else None
+        mask = rollout.response_mask[rows]
+        old = rollout.logprobs[rows]
+        weights = advantages.importance_weights[rows] if advantages.importance_weights is not None else None
         if args.token_level_kl:
-            new_lp, old_lp, loss_mask, agg = logprobs, old, mask, args.loss_agg_mode
+            new_logprobs, old_logprobs, loss_mask, aggregation = logprobs, old, mask, args.loss_agg_mode
         else:
             # The whole completion is one action: its log-prob is the sum over its tokens.
-            new_lp = (logprobs * mask).sum(1, keepdim=True)
-            old_lp = (old * mask).sum(1, keepdim=True)
-            loss_mask, agg = mask.any(1, keepdim=True), "token-mean"
+            new_logprobs = (logprobs * mask).sum(1, keepdim=True)
+            old_logprobs = (old * mask).sum(1, keepdim=True)
+            loss_mask, aggregation = mask.any(1, keepdim=True), "token-mean"
         loss, pm = F.clipped_policy_loss(
-            new_lp,
-            old_lp,
-            rollout["advantages"][idx],
+            new_logprobs,
+            old_logprobs,
+            advantages.advantages[rows],
             loss_mask,
             clip_low=args.cliprange,
             clip_high=args.cliprange_high,
             dual_clip=args.dual_clip,
-            loss_agg_mode=agg,
+            loss_agg_mode=aggregation,
             importance_weights=weights,
         )
         metrics = {
@@ -203,16 +214,16 @@ class RLOOTrainer(OnPolicyTrainer):
         }
         return loss, metrics
 
-    def rollout_metrics(self, rollout: dict[str, Any]) -> dict[str, float]:
+    def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
         """The engine's metrics plus the RLOO ones: ``objective/rlhf_reward`` (the reward the baseline is
         computed from), ``objective/reward_std_per_prompt`` (std of that reward over the k completions of a
         prompt: 0 means no learning signal), ``rollout/num_completions_kept`` and, with truncated importance
         sampling, ``policy/is_weight_mean`` and ``policy/gen_ratio_max`` (the generation-vs-training
         ratio before capping)."""
-        metrics = super().rollout_metrics(rollout)
+        metrics = super().rollout_metrics(rollout, advantages)
         k = self.args.rloo_k
-        valid = rollout["valid_rows"]
-        rlhf = rollout["rlhf_reward"].float()
+        valid = rollout.valid_rows
+        rlhf = advantages.rlhf_reward.float()
         per_prompt = rlhf.reshape(k, -1)
         ok = valid.reshape(k, -1).all(0)
         std = per_prompt.std(0, unbiased=False)[ok]
@@ -228,11 +239,14 @@ class RLOOTrainer(OnPolicyTrainer):
         metrics["objective/rlhf_reward"] = float(sums[0] / sums[1].clamp_min(1))
         metrics["objective/reward_std_per_prompt"] = float(sums[2] / sums[3].clamp_min(1))
         metrics["rollout/num_completions_kept"] = float(sums[1])
-        if "is_weights" in rollout:
-            mask = rollout["response_mask"]
-            raw = ((rollout["logprobs"] - rollout["gen_logprobs"]) * mask).sum(1).exp()[valid]
+        if advantages.importance_weights is not None:
+            mask = rollout.response_mask
+            ratios = ((rollout.logprobs - rollout.generation_logprobs) * mask).sum(1).exp()[valid]
             stats = torch.stack(
-                [rollout["is_weights"].float().mean(), raw.max() if raw.numel() else raw.new_zeros(())]
+                [
+                    advantages.importance_weights.float().mean(),
+                    ratios.max() if ratios.numel() else ratios.new_zeros(()),
+                ]
             )
             gathered = self._gather(stats.reshape(1, 2)).cpu()
             metrics["policy/is_weight_mean"] = float(gathered[:, 0].mean())

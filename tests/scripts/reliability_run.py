@@ -90,15 +90,16 @@ def main() -> None:
 
         trainer._save_rng_state = killing_save_rng_state
     if mode == "signal" and phase == "rollout":
-        rollout = trainer.rollout
+        # Sampling is the rollout's first step: the signal arrives while the rollout runs.
+        sample_responses = trainer.sample_responses
 
         def signalling_rollout(*args, **kwargs):
             if trainer.state.global_step == step - 1 and not getattr(trainer, "_sent", False):
                 trainer._sent = True
                 os.kill(os.getpid(), sig)
-            return rollout(*args, **kwargs)
+            return sample_responses(*args, **kwargs)
 
-        trainer.rollout = signalling_rollout
+        trainer.sample_responses = signalling_rollout
     if mode == "signal" and phase == "save":
         save_rng = trainer._save_rng_state
 

@@ -27,6 +27,7 @@ from distributed import (
 
 from rlhf_trainers import RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
+from rlhf_trainers.onpolicy.rollout import Advantages, Rollout
 from rlhf_trainers.testing import get_kit, true_reward
 
 #: Token ids the reference model scores at the end (``--lora``): a prompt of 3 and a response of 5.
@@ -42,22 +43,24 @@ class RecordingRLOOTrainer(RLOOTrainer):
         self.records: list[dict[str, list]] = []
         self._prompt_index: list[int] = []
 
-    def rollout(self, batch: dict[str, Any], timings: dict[str, float] | None = None) -> dict[str, Any]:
+    def _prompt_batch(self, update: int) -> dict[str, Any]:
         # The "idx" column reaches the collated batch like any extra column (it goes to the reward
         # functions too, which ignore it); rows are the k copies of the batch, as in the engine.
+        batch = super()._prompt_batch(update)
         self._prompt_index = [int(i) for i in batch["idx"]] * self.args.rloo_k
-        return super().rollout(batch, timings)
+        return batch
 
-    def compute_advantages(self, rollout: dict[str, Any]) -> None:
-        super().compute_advantages(rollout)
+    def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
+        advantages = super().compute_advantages(rollout, rewards)
         self.records.append(
             {
                 "prompt_index": self._prompt_index,
-                "rlhf_reward": rollout["rlhf_reward"].double().tolist(),
-                "valid": rollout["valid_rows"].tolist(),
-                "advantages": rollout["advantages"].reshape(-1).double().tolist(),
+                "rlhf_reward": advantages.rlhf_reward.double().tolist(),
+                "valid": rollout.valid_rows.tolist(),
+                "advantages": advantages.advantages.reshape(-1).double().tolist(),
             }
         )
+        return advantages
 
 
 def main() -> None:

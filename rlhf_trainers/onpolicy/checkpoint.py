@@ -1,0 +1,101 @@
+"""Saving and resuming the on-policy engine: the policy (full weights or PEFT adapter), the value
+model in ``value_model/``, and the KL controller's state, inside the checkpoints that
+``transformers.Trainer`` writes and rotates."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+from torch import nn
+
+from ..models import _is_peft_model
+
+logger = logging.getLogger(__name__)
+
+ONPOLICY_STATE_FILE = "onpolicy_state.json"
+VALUE_MODEL_DIR = "value_model"
+
+
+class CheckpointMixin:
+    """The engine's overrides of ``transformers.Trainer``'s model saving and loading (mixed into
+    :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer` before ``Trainer``)."""
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the policy in a loadable form (``from_pretrained`` / PEFT adapter folder) into
+        ``output_dir``, the value model (if any) into ``output_dir/value_model``, and the tokenizer."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if state_dict is None:
+            state_dict = unwrapped.state_dict()
+        policy_sd = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        unwrapped.policy.save_pretrained(output_dir, state_dict=policy_sd or None)
+        if unwrapped.value_model is not None:
+            value_sd = {
+                k[len("value_model.") :]: v for k, v in state_dict.items() if k.startswith("value_model.")
+            }
+            unwrapped.value_model.save_pretrained(
+                os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=value_sd or None
+            )
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_extra_checkpoint_state(self, folder: str) -> None:
+        if self.args.should_save:
+            path = os.path.join(folder, ONPOLICY_STATE_FILE)
+            state = {"kl_controller": self.kl_ctl.state_dict(), "global_step": self.state.global_step}
+            with open(path, "w") as fh:
+                json.dump(state, fh, indent=2)
+
+    def _load_onpolicy_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
+        if not os.path.isfile(path):
+            logger.warning(
+                "%s has no %s; the KL controller starts from its initial value.",
+                checkpoint,
+                ONPOLICY_STATE_FILE,
+            )
+            return
+        with open(path) as fh:
+            state = json.load(fh)
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Load the policy (full weights or PEFT adapter) and value model saved by :meth:`_save`."""
+        unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
+        _load_pretrained_into(unwrapped.policy, resume_from_checkpoint)
+        if unwrapped.value_model is not None:
+            _load_pretrained_into(
+                unwrapped.value_model, os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR)
+            )
+
+
+def _load_pretrained_into(model: nn.Module, folder: str) -> None:
+    """Load weights saved by ``save_pretrained`` (safetensors, full model or PEFT adapter) into ``model``."""
+    from safetensors.torch import load_file
+
+    if _is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        path = os.path.join(folder, "adapter_model.safetensors")
+        if not os.path.isfile(path):
+            raise ValueError(f"No adapter weights ({path}) to resume the PEFT policy from.")
+        set_peft_model_state_dict(model, load_file(path))
+        return
+    path = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(path):
+        raise ValueError(f"No model.safetensors in {folder} to resume from.")
+    state = load_file(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(
+            f"Checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}."
+        )

@@ -1,0 +1,122 @@
+"""Evaluation and sample tables of the on-policy engine: steps 2 and 3 of the rollout
+(:meth:`~rlhf_trainers.onpolicy.rollout.RolloutSteps.sample_and_score`) on held-out prompts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..models import embedding_rows
+from .rollout import Rollout
+
+if TYPE_CHECKING:
+    import datasets
+
+logger = logging.getLogger(__name__)
+
+SAMPLES_FILE = "samples.jsonl"
+# Per-process seed offset (a large prime), so that ranks sample different completions.
+RANK_SEED_STRIDE = 100003
+
+
+class EvaluationMixin:
+    """``evaluate()`` and the sample tables (mixed into
+    :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer`)."""
+
+    def _print_sample_table(self, rows: list[dict[str, Any]], title: str, to_log: bool = False) -> None:
+        """Print (or log at INFO) ``[score] prompt ||| completion`` lines of a sample table."""
+        text = "\n".join(f"  [{r['score']:+.3f}] {r['prompt']!s} ||| {r['completion']}" for r in rows)
+        if to_log:
+            logger.info("%s:\n%s", title, text)
+        else:
+            print(f"{title}:\n{text}")
+
+    def _log_samples(self, rollout: Rollout) -> None:
+        """The first ``sample_table_size`` rows of a rollout: printed and appended to ``samples.jsonl``."""
+        count = min(self.args.sample_table_size, len(rollout.completions))
+        if not self.is_world_process_zero() or count == 0:
+            return
+        table = [
+            {
+                "update": self.state.global_step,
+                "prompt": rollout.prompts[i],
+                "completion": rollout.completions[i],
+                "score": float(rollout.scores[i]),
+            }
+            for i in range(count)
+        ]
+        self._print_sample_table(table, f"sample completions at update {self.state.global_step}")
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, SAMPLES_FILE), "a", encoding="utf-8") as fh:
+            for row in table:
+                fh.write(json.dumps(row, default=str) + "\n")
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        eval_dataset: datasets.Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Generate on ``eval_dataset`` (default: the one given at construction) with the training
+        sampling settings, score with every reward source and log ``{prefix}_objective/scores`` (and per
+        source), the response length and the stop-token rate. Runs the rollout's steps 2 and 3
+        (:meth:`sample_and_score`). The sampling RNG is seeded from ``seed`` and forked, so evaluation
+        neither changes the training run nor varies between calls on the same weights."""
+        if eval_dataset is None:
+            eval_dataset = self.eval_dataset
+        elif "input_ids" not in eval_dataset.column_names or "prompt" in eval_dataset.column_names:
+            eval_dataset = self._tokenize(
+                eval_dataset, self.processing_class, self.args, metric_key_prefix, embedding_rows(self.policy)
+            )
+        if eval_dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (here or at construction).")
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        n = len(eval_dataset)
+        per_rank = math.ceil(n / world)
+        # Every rank runs the same number of rows (ZeRO-3 forward passes are collective); rows past the end
+        # repeat earlier ones and are dropped from the metrics.
+        indices = [(rank * per_rank + i) for i in range(per_rank)]
+        keep = torch.tensor([i < n for i in indices], device=self.accelerator.device)
+        indices = [i % n for i in indices]
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        samples_table: list[dict[str, Any]] = []
+        with torch.random.fork_rng(devices=devices), self.accelerator.autocast():
+            torch.manual_seed(self.args.seed + 7 + rank * RANK_SEED_STRIDE)
+            step = self.args.local_rollout_forward_batch_size
+            for start in range(0, len(indices), step):
+                batch = self.data_collator([eval_dataset[i] for i in indices[start : start + step]])
+                samples, scores = self.sample_and_score(batch)
+                parts["objective/scores"].append(scores.total)
+                parts["val/response_length"].append(samples.lengths.float())
+                parts["val/stop_token_rate"].append(scores.found_stop.float())
+                for name, values in scores.per_source.items():
+                    parts[f"objective/scores/{name}"].append(values.to(scores.total.device))
+                if len(samples_table) < self.args.sample_table_size:
+                    samples_table.extend(
+                        {"prompt": p, "completion": c, "score": float(x)}
+                        for p, c, x in zip(
+                            samples.prompts, scores.completions, scores.total.tolist(), strict=True
+                        )
+                    )
+        keep_all = self._gather(keep.float()).bool()
+
+        def mean(values: list[torch.Tensor]) -> float:
+            gathered = self._gather(torch.cat(values).float())[keep_all]
+            finite = torch.isfinite(gathered)
+            return float(gathered[finite].mean()) if finite.any() else float("nan")
+
+        metrics = {f"{metric_key_prefix}_{name}": mean(values) for name, values in parts.items()}
+        if self.is_world_process_zero() and samples_table:
+            title = f"evaluation samples at update {self.state.global_step}"
+            self._print_sample_table(samples_table[: self.args.sample_table_size], title, to_log=True)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics

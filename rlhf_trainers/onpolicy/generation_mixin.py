@@ -1,0 +1,97 @@
+"""Generation for the on-policy engine: the policy's responses from the :attr:`generation_backend`
+(:mod:`rlhf_trainers.generation`, chosen once at construction), and the ZeRO-3 context it runs in.
+
+:class:`OnPolicyGenerationMixin` holds the methods; :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer`
+inherits them and calls ``self._generate(query, query_mask, with_logprobs)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..distributed import generation_context
+from ..generation import SamplingSettings, make_generation_backend
+
+
+class OnPolicyGenerationMixin:
+    """The engine's generation methods (mixed into :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer`,
+    whose ``args``, ``policy``, ``processing_class``, ``_stop_ids`` and accelerator they use)."""
+
+    def _build_generation_backend(self) -> None:
+        """Choose the generation backend once (named in :meth:`batch_accounting`)."""
+        #: The generation backend (rlhf_trainers.generation), chosen once; named in batch_accounting().
+        self.generation_backend = make_generation_backend(
+            self.policy,
+            self.args,
+            device=self.accelerator.device,
+            deepspeed=self.is_deepspeed_enabled,
+            synced_ranks=self._synced_generation(),
+            context=self._generation_context,
+        )
+
+    def _generation_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What generation needs around it under ZeRO-3 (:func:`rlhf_trainers.distributed.generation_context`:
+        the policy's weights gathered with ``ds3_gather_for_generation`` or before training, the training
+        engine's hooks set aside meanwhile); nothing otherwise."""
+        return generation_context(
+            self.policy, self.model_wrapped, gather_weights=self.args.ds3_gather_for_generation
+        )
+
+    def _synced_generation(self) -> bool:
+        """Multi-process ZeRO-3 without gathering the weights: ranks must step generation together."""
+        return bool(
+            self.is_deepspeed_enabled
+            and not self.args.ds3_gather_for_generation
+            and self.accelerator.num_processes > 1
+        )
+
+    @property
+    def logprobs_from_generation(self) -> bool:
+        """Whether the rollout takes its log-probs and entropy from the sampling loop
+        (``rollout_logprobs``, with 'auto' resolved against the policy's dtype and the precision)."""
+        cached = getattr(self, "_logprobs_from_generation", None)
+        if cached is None:
+            args = self.args
+            if args.rollout_logprobs == "auto":
+                float32 = all(
+                    p.dtype == torch.float32 for p in self.policy.parameters() if p.is_floating_point()
+                )
+                cached = bool(
+                    float32
+                    and not (args.bf16 or args.fp16)
+                    and args.disable_dropout
+                    and self.generation_backend.logprobs_for_rollout
+                    and not self.needs_generation_logprobs
+                )
+            else:
+                cached = args.rollout_logprobs == "generation"
+            self._logprobs_from_generation = cached
+        return cached
+
+    @torch.no_grad()
+    def _generate(
+        self, query: torch.Tensor, query_mask: torch.Tensor, with_logprobs: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """Sample (B, response_length) response ids from ``softmax(logits / temperature)`` with the
+        :attr:`generation_backend`; rows end at a stop token only when generation may stop there (else
+        fixed length, truncated afterwards).
+
+        With ``with_logprobs`` also ``{"logprobs", "entropy"}`` (B, response_length) float32: the sampled
+        tokens' log-probabilities and the entropy of each step's distribution, as the generation computed
+        them (its own logits / temperature, in the generation's precision; 0 after a stop token)."""
+        args = self.args
+        stop_in_generation = self._stop_ids and args.truncate_after == 0
+        settings = SamplingSettings(
+            max_new_tokens=args.response_length,
+            pad_token_id=self.processing_class.pad_token_id,
+            temperature=args.temperature,
+            stop_token_ids=tuple(self._stop_ids) if stop_in_generation else (),
+            return_logprobs=with_logprobs,
+        )
+        samples = self.generation_backend.sample(query, query_mask, settings)
+        if not with_logprobs:
+            return samples.tokens, None
+        return samples.tokens, {"logprobs": samples.logprobs, "entropy": samples.entropy}

@@ -1,0 +1,434 @@
+"""One batch of on-policy experience (:class:`Rollout`) and the steps that build it.
+
+Rows: N = prompts x ``completions_per_prompt`` (k). The prompt batch of B prompts is repeated k times,
+so completion j of prompt i sits at row ``j * B + i`` (the RLOO blog's layout; k = 1 for PPO). Columns:
+Q prompt tokens (left-padded) and R = ``response_length`` response tokens (right-padded).
+
+The steps, in the order :meth:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer._update` calls them:
+:meth:`RolloutSteps.sample_responses` (2. sample), :meth:`RolloutSteps.score_samples` (3. score),
+:meth:`RolloutSteps.rollout_logprobs` (4. log-probs of policy and reference, + values),
+:meth:`RolloutSteps.assemble_rollout` and :meth:`RolloutSteps.token_rewards` (5. rewards and KL).
+Evaluation runs 2 and 3 (:meth:`RolloutSteps.sample_and_score`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import functional as F
+from .forward import pad_columns, response_logprobs, sequence_inputs, token_values, trim_bounds
+
+
+@dataclass
+class Samples:
+    """Responses sampled for a batch of prompts (step 2), cut after the stop token."""
+
+    query: torch.Tensor
+    """(N, Q) left-padded prompt ids."""
+    query_mask: torch.Tensor
+    """(N, Q) bool, True at prompt tokens."""
+    response: torch.Tensor
+    """(N, R) response ids; the pad token after a row's stop token (at index >= ``truncate_after``)."""
+    response_mask: torch.Tensor
+    """(N, R) bool, True at the response's tokens (up to and including its stop token)."""
+    lengths: torch.Tensor
+    """(N,) long, valid response tokens per row (a row without a stop token keeps all R)."""
+    prompts: list[Any]
+    """N prompts (text or chat messages) as the reward functions receive them."""
+    columns: dict[str, list[Any]]
+    """The dataset's other columns, N values each, passed to the reward functions."""
+    generation_logprobs: torch.Tensor | None = None
+    """(N, R) float32 log-probs of the sampled tokens as the sampling loop computed them (0 after a stop
+    token, padding not masked); None unless asked for."""
+    generation_entropy: torch.Tensor | None = None
+    """(N, R) float32 entropy of each sampling step's distribution; None unless asked for."""
+
+
+@dataclass
+class Scores:
+    """What the reward sources say about :class:`Samples` (step 3)."""
+
+    completions: list[str]
+    """N decoded responses (special tokens skipped), what the reward functions scored."""
+    total: torch.Tensor
+    """(N,) weighted sum of the reward sources, before shaping; NaN where a function gave no reward."""
+    per_source: dict[str, torch.Tensor]
+    """(N,) score of each reward source, by name."""
+    found_stop: torch.Tensor
+    """(N,) bool, whether the response has a stop token (at index >= ``truncate_after``); all True
+    without a stop token."""
+    reward_func_errors: torch.Tensor
+    """() float, the reward-function calls that raised (``reward_func_errors='nan'``) in this batch."""
+
+
+@dataclass
+class ForwardPasses:
+    """The no-grad forward passes of a rollout (step 4), (N, R) each, 0 at masked response positions."""
+
+    logprobs: torch.Tensor
+    """float32 log-probs of the response under the policy (logits / temperature): the 'old' log-probs
+    of the clipped ratio."""
+    entropy: torch.Tensor
+    """float32 entropy of the policy's distribution at each response position (a metric)."""
+    ref_logprobs: torch.Tensor
+    """log-probs of the response under the reference model (the policy without adapter under PEFT)."""
+    values: torch.Tensor | None
+    """float32 V(s_t) of the value model at each response position (PPO); None without one."""
+
+
+@dataclass
+class Rollout:
+    """One update's experience on this process: N rows of (prompt, response), see the module docstring
+    for the row layout. Built by :meth:`RolloutSteps.assemble_rollout`; read by the advantage and loss
+    hooks and the metrics."""
+
+    query: torch.Tensor
+    """(N, Q) left-padded prompt ids."""
+    query_mask: torch.Tensor
+    """(N, Q) bool, True at prompt tokens."""
+    response: torch.Tensor
+    """(N, R) response ids, the pad token after the stop token."""
+    response_mask: torch.Tensor
+    """(N, R) bool, the tokens that take part in the update: the response's tokens, in rows whose reward
+    is finite (``valid_rows``)."""
+    lengths: torch.Tensor
+    """(N,) long, response tokens up to and including the stop token."""
+    logprobs: torch.Tensor
+    """(N, R) float32 policy log-probs at sampling time (the ratio's denominator)."""
+    entropy: torch.Tensor
+    """(N, R) float32 entropy of the policy at each response position."""
+    ref_logprobs: torch.Tensor
+    """(N, R) reference-model log-probs of the response."""
+    kl: torch.Tensor
+    """(N, R) per-token KL estimate (``kl_estimator``) between policy and reference, 0 where masked."""
+    raw_scores: torch.Tensor
+    """(N,) reward sources' weighted score before shaping; NaN where no reward was given."""
+    scores: torch.Tensor
+    """(N,) the shaped sequence reward: scaling, clipping, overlong and stop-token penalties; 0 in
+    invalid rows."""
+    valid_rows: torch.Tensor
+    """(N,) bool, rows with a finite reward (the others take no part in the update)."""
+    found_stop: torch.Tensor
+    """(N,) bool, whether the response has a stop token."""
+    per_source: dict[str, torch.Tensor]
+    """(N,) score of each reward source, by name."""
+    reward_func_errors: torch.Tensor
+    """() float, reward-function calls that raised in this rollout."""
+    prompts: list[Any]
+    """N prompts as given to the reward functions."""
+    completions: list[str]
+    """N decoded responses."""
+    values: torch.Tensor | None = None
+    """(N, R) float32 value-model estimates V(s_t) (PPO); None without a value model."""
+    generation_logprobs: torch.Tensor | None = None
+    """(N, R) float32 the sampling loop's own log-probs, kept when ``needs_generation_logprobs``
+    (RLOO's truncated importance sampling)."""
+
+
+@dataclass
+class Advantages:
+    """What :meth:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer.compute_advantages` returns (step 6):
+    the advantages and whatever else the algorithm's loss and metrics read."""
+
+    advantages: torch.Tensor
+    """(N, R) per token, or (N, 1) one per sequence (RLOO's default); 0 where masked."""
+    returns: torch.Tensor | None = None
+    """(N, R) value targets (PPO's GAE returns)."""
+    rewards: torch.Tensor | None = None
+    """(N, R) the per-token rewards the advantages were computed from (PPO)."""
+    rlhf_reward: torch.Tensor | None = None
+    """(N,) the reward a completion's baseline is computed from (RLOO: score - KL term)."""
+    importance_weights: torch.Tensor | None = None
+    """(N, R) or (N, 1) capped training/generation probability ratios (RLOO's ``truncated_is_cap``)."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Anything else a subclass computes for its loss."""
+
+
+class RolloutSteps:
+    """The steps that build a :class:`Rollout`, mixed into
+    :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer` (they use its args, models, tokenizer,
+    reward sources and generation)."""
+
+    # ---- 1. prompts ---------------------------------------------------------------------------
+
+    def _prompt_batch(self, update: int) -> dict[str, Any]:
+        """This process's prompts of update ``update``: a fixed permutation per pass over the data (from
+        ``seed`` and the pass number), so the order depends only on the update index (resume-safe)."""
+        epoch, slot = divmod(update, self.updates_per_data_epoch)
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
+        perm = torch.randperm(len(self.train_dataset), generator=generator)
+        start = slot * self.prompts_per_update + self.accelerator.process_index * self.local_prompts
+        indices = perm[start : start + self.local_prompts].tolist()
+        return self.data_collator([self.train_dataset[i] for i in indices])
+
+    def _prompts_and_columns(self, batch: dict[str, Any]) -> tuple[list[Any], dict[str, list[Any]]]:
+        columns = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+        if "prompt" in columns:
+            prompts = columns.pop("prompt")
+        elif "messages" in columns:
+            prompts = columns.pop("messages")
+        else:
+            prompts = self.processing_class.batch_decode(batch["input_ids"], skip_special_tokens=True)
+        return list(prompts), columns
+
+    # ---- 2. sample ----------------------------------------------------------------------------
+
+    def _response_lengths(self, response: torch.Tensor) -> torch.Tensor:
+        """Valid tokens per response: up to and including the first stop token (at index >=
+        truncate_after); a response without one keeps every generated token."""
+        R = response.shape[1]
+        if not self._stop_ids:
+            return torch.full((response.shape[0],), R, dtype=torch.long, device=response.device)
+        idx = torch.arange(R, device=response.device)
+        hits = torch.isin(response, torch.tensor(self._stop_ids, device=response.device)) & (
+            idx >= self.args.truncate_after
+        )
+        first = F.first_true_indices(hits)
+        return torch.where(first < R, first + 1, torch.full_like(first, R))
+
+    def sample_responses(
+        self,
+        batch: dict[str, Any],
+        copies: int = 1,
+        with_logprobs: bool = False,
+        timings: dict[str, float] | None = None,
+    ) -> Samples:
+        """Step 2: ``copies`` responses to each prompt of a collated ``batch`` (the batch repeated
+        ``copies`` times, completion j of prompt i at row ``j * B + i``), generated in chunks of
+        ``local_rollout_forward_batch_size`` rows and cut after the stop token. With ``with_logprobs``
+        also the sampling loop's own log-probs and entropy."""
+        timings = timings if timings is not None else defaultdict(float)
+        device = self.accelerator.device
+        query = batch["input_ids"].to(device).repeat(copies, 1)
+        query_mask = batch["attention_mask"].to(device).repeat(copies, 1)
+        prompts, columns = self._prompts_and_columns(batch)
+        pad = self.processing_class.pad_token_id
+        step = self.args.local_rollout_forward_batch_size
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for start in range(0, query.shape[0], step):
+            began = time.perf_counter()
+            generated, extras = self._generate(
+                query[start : start + step], query_mask[start : start + step], with_logprobs=with_logprobs
+            )
+            timings["timing/generate"] += time.perf_counter() - began
+            lengths = self._response_lengths(generated)
+            mask = torch.arange(generated.shape[1], device=device)[None, :] < lengths[:, None]
+            parts["response"].append(generated.masked_fill(~mask, pad))
+            parts["response_mask"].append(mask)
+            parts["lengths"].append(lengths)
+            if extras is not None:
+                parts["generation_logprobs"].append(extras["logprobs"].float())
+                parts["generation_entropy"].append(extras["entropy"].float())
+        joined = {name: torch.cat(values) for name, values in parts.items()}
+        return Samples(
+            query=query,
+            query_mask=query_mask.bool(),
+            prompts=list(prompts) * copies,
+            columns={name: list(values) * copies for name, values in columns.items()},
+            **joined,
+        )
+
+    # ---- 3. score -----------------------------------------------------------------------------
+
+    def score_samples(self, samples: Samples, timings: dict[str, float] | None = None) -> Scores:
+        """Step 3: score the decoded responses with every reward source (the reward model reads the
+        policy's ids when it shares the tokenizer, else the text), and note which found a stop token."""
+        began = time.perf_counter()
+        device = samples.response.device
+        completions = self.processing_class.batch_decode(samples.response, skip_special_tokens=True)
+        total, per_source = self.reward_sources(
+            query_response_ids=torch.cat([samples.query, samples.response], dim=1),
+            prompts=samples.prompts,
+            completions=completions,
+            columns=samples.columns,
+            reward_model_forward=self._reward_forward,
+        )
+        errors = torch.tensor(float(self.reward_sources.last_errors), device=device)
+        found_stop = (
+            F.stop_token_found(samples.response, self._stop_ids, self.args.truncate_after)
+            if self._stop_ids
+            else torch.ones(samples.response.shape[0], dtype=torch.bool, device=device)
+        )
+        if timings is not None:
+            timings["timing/reward"] += time.perf_counter() - began
+        return Scores(completions, total.to(device), per_source, found_stop, errors)
+
+    def sample_and_score(self, batch: dict[str, Any]) -> tuple[Samples, Scores]:
+        """Steps 2 and 3 for one collated prompt batch, one response each (what evaluation runs)."""
+        samples = self.sample_responses(batch)
+        return samples, self.score_samples(samples)
+
+    # ---- 4. log-probs of policy and reference (+ values) --------------------------------------
+
+    def _logprob_options(self) -> dict[str, Any]:
+        """Temperature, chunking and precision of every log-prob computation of the engine."""
+        args = self.args
+        return {
+            "temperature": args.temperature,
+            "chunk_size": args.logprob_chunk_size,
+            "compute_dtype": torch.float32 if args.logprobs_in_fp32 else None,
+        }
+
+    def _sequence_inputs(
+        self,
+        query: torch.Tensor,
+        query_mask: torch.Tensor,
+        response: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return sequence_inputs(query, query_mask, response, response_mask, self.processing_class.pad_token_id)
+
+    @torch.no_grad()
+    def _reference_logprobs(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, response: torch.Tensor
+    ) -> torch.Tensor:
+        options = self._logprob_options()
+        if self.ref_model is None:
+            # PEFT: the reference is the same weights with the adapter disabled (no second copy).
+            with self.policy.disable_adapter():
+                return response_logprobs(
+                    self.policy,
+                    ids,
+                    mask,
+                    positions,
+                    response,
+                    options,
+                    fused_head=self._fused_ref,
+                    with_entropy=False,
+                )[0]
+        forward = self._ref_forward or self.ref_model
+        return response_logprobs(
+            forward, ids, mask, positions, response, options, fused_head=self._fused_ref, with_entropy=False
+        )[0]
+
+    def rollout_logprobs(self, samples: Samples, timings: dict[str, float] | None = None) -> ForwardPasses:
+        """Step 4: per chunk of ``local_rollout_forward_batch_size`` rows, the policy's log-probs and
+        entropy (a training-mode forward pass, or the sampling loop's own where
+        :attr:`logprobs_from_generation`), the reference's log-probs and the value model's values.
+
+        The forward passes see the prompt columns some row of the chunk uses and the response columns up
+        to its longest response; what they leave out is padding in every row, and the results are padded
+        back to R with zeros (at masked positions)."""
+        timings = timings if timings is not None else defaultdict(float)
+        R = samples.response.shape[1]
+        step = self.args.local_rollout_forward_batch_size
+        from_generation = self.logprobs_from_generation and samples.generation_logprobs is not None
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for start in range(0, samples.response.shape[0], step):
+            rows = slice(start, start + step)
+            query_mask, response_mask = samples.query_mask[rows], samples.response_mask[rows]
+            first, end = trim_bounds(query_mask, response_mask)
+            query, response = samples.query[rows, first:], samples.response[rows, :end]
+            ids, mask, positions = self._sequence_inputs(
+                query, query_mask[:, first:], response, response_mask[:, :end]
+            )
+            if from_generation:
+                # The sampling loop's own log-probs (rollout_logprobs): no policy forward pass.
+                parts["logprobs"].append(samples.generation_logprobs[rows].masked_fill(~response_mask, 0.0))
+                parts["entropy"].append(samples.generation_entropy[rows].masked_fill(~response_mask, 0.0))
+                timings["timing/policy"] += 0.0  # logged as 0: the pass was skipped
+            else:
+                began = time.perf_counter()
+                logprobs, entropy = response_logprobs(
+                    self.policy,
+                    ids,
+                    mask,
+                    positions,
+                    response,
+                    self._logprob_options(),
+                    fused_head=self._fused_policy,
+                )
+                parts["logprobs"].append(pad_columns(logprobs, R))
+                parts["entropy"].append(pad_columns(entropy, R))
+                timings["timing/policy"] += time.perf_counter() - began
+            began = time.perf_counter()
+            parts["ref_logprobs"].append(
+                pad_columns(self._reference_logprobs(ids, mask, positions, response), R)
+            )
+            timings["timing/ref"] += time.perf_counter() - began
+            if self.value_model is not None:
+                began = time.perf_counter()
+                values = token_values(self.value_model, ids, mask, positions)[:, query.shape[1] - 1 : -1]
+                parts["values"].append(pad_columns(values.float(), R))
+                timings["timing/values"] += time.perf_counter() - began
+        joined = {name: torch.cat(values) for name, values in parts.items()}
+        return ForwardPasses(values=joined.pop("values", None), **joined)
+
+    # ---- 5. per-token rewards and KL ----------------------------------------------------------
+
+    def assemble_rollout(self, samples: Samples, scores: Scores, passes: ForwardPasses) -> Rollout:
+        """Step 5a: the per-token KL, the shaped scores (:meth:`_shape_scores`), and the rows whose reward
+        is not finite (a function returned None / NaN) masked out of the update."""
+        kl = (
+            F.kl_penalty(passes.logprobs, passes.ref_logprobs, self.args.kl_estimator) * samples.response_mask
+        )
+        shaped, valid = self._shape_scores(scores.total, samples.lengths, scores.found_stop)
+        return Rollout(
+            query=samples.query,
+            query_mask=samples.query_mask,
+            response=samples.response,
+            response_mask=samples.response_mask & valid[:, None],
+            lengths=samples.lengths,
+            logprobs=passes.logprobs,
+            entropy=passes.entropy,
+            ref_logprobs=passes.ref_logprobs,
+            kl=kl * valid[:, None],
+            raw_scores=scores.total,
+            scores=shaped,
+            valid_rows=valid,
+            found_stop=scores.found_stop,
+            per_source=scores.per_source,
+            reward_func_errors=scores.reward_func_errors,
+            prompts=samples.prompts,
+            completions=scores.completions,
+            values=passes.values,
+            generation_logprobs=samples.generation_logprobs if self.needs_generation_logprobs else None,
+        )
+
+    def _shape_scores(
+        self, scores: torch.Tensor, lengths: torch.Tensor, found: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores -> rewards of the sequences, in this order: scaling to the target range, clipping,
+        overlong shaping, the missing-stop-token penalty (so a penalty is in the final units, as LHPD's
+        -1)."""
+        args = self.args
+        valid = torch.isfinite(scores)
+        scores = torch.where(valid, scores, torch.zeros_like(scores)).float()
+        if args.reward_scaling is not None:
+            scores = F.scale_rewards(scores, *args.reward_scaling)
+        if args.reward_clip is not None:
+            scores = scores.clamp(-args.reward_clip, args.reward_clip)
+        if args.overlong_buffer_length is not None:
+            scores = scores + F.overlong_penalty(
+                lengths, args.response_length, args.overlong_buffer_length, args.overlong_penalty
+            ).to(scores)
+        if args.missing_eos_penalty is not None:
+            scores = F.apply_rejection_penalty(scores, found, args.missing_eos_penalty, "subtract")
+        if args.rejection_penalty is not None:
+            scores = F.apply_rejection_penalty(scores, found, args.rejection_penalty, "replace")
+        return torch.where(valid, scores, torch.zeros_like(scores)), valid
+
+    def token_rewards(self, rollout: Rollout) -> torch.Tensor:
+        """Step 5b: (N, R) per-token rewards: ``-kl_coef * kl`` at every response token and the sequence's
+        score added at its last token (LHPD, "Per-token KL penalty"); whitened over all processes with
+        ``shift_mean=False`` when ``whiten_rewards``."""
+        mask = rollout.response_mask
+        rewards = -self.kl_ctl.value * rollout.kl
+        last = (rollout.lengths - 1).clamp_min(0)
+        rewards = rewards.clone()
+        rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += (
+            rollout.scores * rollout.valid_rows.float()
+        )
+        if self.args.whiten_rewards:
+            rewards = F.whiten(rewards, mask, shift_mean=False, all_reduce=self._all_reduce)
+        return rewards
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        if self.accelerator.num_processes == 1:
+            return tensor
+        return self.accelerator.reduce(tensor, reduction="sum")
