@@ -46,9 +46,10 @@ from ..models import (
     require_peft,
 )
 from ..optim import TFStyleAdam
+from ..reliability import AtomicCheckpointMixin, reliability_callback
 from ..rewards import RewardSources
 from ..sampling import sample_completions
-from ..trainer_utils import AtomicCheckpointMixin, apply_host_memory_settings, reliability_callback
+from ..trainer_utils import apply_host_memory_settings
 from .config import OnPolicyConfig
 
 if TYPE_CHECKING:
