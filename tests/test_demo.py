@@ -86,10 +86,10 @@ def test_smollm2_true_reward_counts_sentiment_words_per_word():
 
 
 def test_smollm2_preferences_rank_by_the_hidden_rule_on_disjoint_topics(kit):
-    from rlhf_trainers.demo import _smollm2_preferences, _smollm2_prompts, smollm2_true_reward
+    from rlhf_trainers.demo.task import smollm2_preferences, smollm2_prompts, smollm2_true_reward
 
     tokenizer = kit.load_tokenizer()  # any tokenizer with a chat template renders the prompts
-    train, test = _smollm2_preferences("train", 64, tokenizer), _smollm2_preferences("test", 16, tokenizer)
+    train, test = smollm2_preferences("train", 64, tokenizer), smollm2_preferences("test", 16, tokenizer)
     ended = 0
     for data in (train, test):
         for chosen, rejected in zip(data["chosen"], data["rejected"], strict=True):
@@ -99,8 +99,8 @@ def test_smollm2_preferences_rank_by_the_hidden_rule_on_disjoint_topics(kit):
             assert smollm2_true_reward(None, [answer_c]) > smollm2_true_reward(None, [answer_r])
             ended += answer_c.endswith(tokenizer.eos_token) + answer_r.endswith(tokenizer.eos_token)
     assert 0.3 < ended / (2 * (64 + 16)) < 0.7  # about half end with EOS, the others are cut off
-    train_prompts = {p[-1]["content"] for p in _smollm2_prompts("train")["prompt"]}
-    test_prompts = {p[-1]["content"] for p in _smollm2_prompts("test")["prompt"]}
+    train_prompts = {p[-1]["content"] for p in smollm2_prompts("train")["prompt"]}
+    test_prompts = {p[-1]["content"] for p in smollm2_prompts("test")["prompt"]}
     assert len(train_prompts) == 160 and len(test_prompts) == 40 and not train_prompts & test_prompts
 
 

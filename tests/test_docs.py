@@ -474,7 +474,7 @@ def _logged_metric_names() -> set[str]:
     """Metric names in the trainers' source: string literals (and f-string prefixes) with a metric prefix,
     and the keys of the reward trainer's pair metrics."""
     names: set[str] = set()
-    sources = [REPO / "rlhf_trainers" / "trainer_utils.py"]
+    sources = [REPO / "rlhf_trainers" / "reliability.py"]
     for package in ("onpolicy", "ppo", "rloo", "reward"):
         sources += sorted((REPO / "rlhf_trainers" / package).glob("*.py"))
     for path in sources:

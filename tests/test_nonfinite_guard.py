@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf_trainers.trainer_utils import NonFiniteStepGuard
+from rlhf_trainers.reliability import NonFiniteStepGuard
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

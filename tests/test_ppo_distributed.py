@@ -148,7 +148,7 @@ def test_sigterm_to_one_rank_under_zero2_stops_both_and_resumes_like_the_uninter
     rounding and fails the digest check, as it would fail check_resume."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    from rlhf_trainers.trainer_utils import STAGING_PREFIX
+    from rlhf_trainers.reliability import STAGING_PREFIX
 
     stop = 15
     uninterrupted = runs.trained("zero2")

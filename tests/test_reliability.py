@@ -24,8 +24,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer
+from rlhf_trainers.reliability import STAGING_PREFIX
 from rlhf_trainers.testing import true_reward
-from rlhf_trainers.trainer_utils import STAGING_PREFIX
 
 SCRIPT = Path(__file__).parent / "scripts" / "reliability_run.py"
 #: Logged values that measure time, not training, and Trainer's end-of-run summary: its train_loss divides

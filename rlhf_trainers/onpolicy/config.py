@@ -10,8 +10,8 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..functional import KL_ESTIMATORS, LOSS_AGG_MODES
+from ..reliability import ReliabilityArguments
 from ..reward_sources import REWARD_ERROR_MODES
-from ..trainer_utils import ReliabilityArguments
 
 STOP_TOKENS = ("eos",)
 GENERATION_LOOPS = ("builtin", "transformers")

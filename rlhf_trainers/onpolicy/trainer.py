@@ -39,8 +39,8 @@ from ..cpu_speedups import apply_host_memory_settings
 from ..data import PromptCollator
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
+from ..reliability import AtomicCheckpointMixin, reliability_callback
 from ..reward_sources import RewardSources
-from ..trainer_utils import AtomicCheckpointMixin, reliability_callback
 from .checkpoint import CheckpointMixin
 from .config import OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin

@@ -1,5 +1,5 @@
 """Reward modeling: :class:`RewardConfig` and :class:`RewardTrainer` (Bradley-Terry loss, metrics,
-the seed's reward normalization)."""
+the reward normalization of the reference implementation)."""
 
 from .config import RewardConfig
 from .trainer import RewardTrainer, reward_metrics

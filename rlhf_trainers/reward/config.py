@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..trainer_utils import ReliabilityArguments
+from ..reliability import ReliabilityArguments
 
 LONG_PAIRS = ("truncate", "drop")
 NORMALIZATION_WHEN = ("no", "before", "after", "before_and_after")
@@ -16,12 +16,12 @@ NORMALIZATION_WHEN = ("no", "before", "after", "before_and_after")
 @dataclass
 class RewardConfig(ReliabilityArguments, TrainingArguments):
     """Configuration of :class:`~rlhf_trainers.RewardTrainer`: every ``TrainingArguments`` field, plus
-    the fields below. Defaults that differ from ``TrainingArguments``: ``num_train_epochs=1`` (the
-    seed's), ``ddp_find_unused_parameters=False``, ``logging_steps=10`` and
+    the fields below. Defaults that differ from ``TrainingArguments``: ``num_train_epochs=1`` (as
+    in the reference implementation), ``ddp_find_unused_parameters=False``, ``logging_steps=10`` and
     ``remove_unused_columns=False`` (the trainer prepares its own columns).
 
-    The learning rate stays ``TrainingArguments``' 5e-5 and the schedule linear to zero, as the seed
-    trains its reward model (one epoch, learning rate annealed to zero).
+    The learning rate stays ``TrainingArguments``' 5e-5 and the schedule linear to zero, as the
+    reference implementation trains its reward model (one epoch, learning rate annealed to zero).
     """
 
     max_length: int | None = field(
@@ -54,7 +54,7 @@ class RewardConfig(ReliabilityArguments, TrainingArguments):
         default=True,
         metadata={
             "help": "Initialise a freshly created scalar head with weight ~ N(0, 1/sqrt(d_model + 1)) and bias 0 "
-            "(the seed's reward head). A head loaded from a checkpoint is never re-initialised."
+            "(the reference implementation's reward head). A head loaded from a checkpoint is never re-initialised."
         },
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Set every dropout probability to 0."})
@@ -71,7 +71,7 @@ class RewardConfig(ReliabilityArguments, TrainingArguments):
     reward_normalization: str = field(
         default="no",
         metadata={
-            "help": "When to compute the reward normalization (the seed does both): 'no', 'before', 'after' or "
+            "help": "When to compute the reward normalization (the reference implementation does both): 'no', 'before', 'after' or "
             "'before_and_after' training. It samples completions from the reference policy "
             "(normalization_policy=) on prompts (normalization_prompts=) and sets a gain and bias so that "
             "their rewards have mean normalization_target_mean and std normalization_target_std. The gain "
@@ -84,7 +84,10 @@ class RewardConfig(ReliabilityArguments, TrainingArguments):
         metadata={"help": "Completions sampled (over all processes) to compute the normalization."},
     )
     normalization_response_length: int = field(
-        default=53, metadata={"help": "Maximum new tokens per sampled completion (the seed uses 24 or 53)."}
+        default=53,
+        metadata={
+            "help": "Maximum new tokens per sampled completion (the reference implementation uses 24 or 53)."
+        },
     )
     normalization_temperature: float = field(
         default=1.0,
@@ -102,7 +105,10 @@ class RewardConfig(ReliabilityArguments, TrainingArguments):
     )
 
     num_train_epochs: float = field(
-        default=1.0, metadata={"help": "Epochs over the pairs (the seed trains its reward model for one)."}
+        default=1.0,
+        metadata={
+            "help": "Epochs over the pairs (the reference implementation trains its reward model for one)."
+        },
     )
     logging_steps: float = field(default=10, metadata={"help": "Log every X updates steps (ratio if < 1)."})
     ddp_find_unused_parameters: bool | None = field(

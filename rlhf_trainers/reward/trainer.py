@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as torch_F
 from transformers import PreTrainedTokenizerBase, Trainer
 
+from ..compat import EvaluateBeforeTrainMixin, prepare_inputs
 from ..cpu_speedups import apply_host_memory_settings
 from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
 from ..models import (
@@ -28,8 +29,8 @@ from ..models import (
     set_reward_normalization,
     write_reward_normalization,
 )
+from ..reliability import AtomicCheckpointMixin, reliability_callback
 from ..reward_sources import Prompt, compute_reward_normalization
-from ..trainer_utils import AtomicCheckpointMixin, EvaluateBeforeTrainMixin, reliability_callback
 from .config import RewardConfig
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
 
     Args:
         model: a path, Hub id or model instance. A causal-LM checkpoint becomes a one-label
-            sequence-classification model with a new head (initialised as the seed does, see
+            sequence-classification model with a new head (initialised as the reference implementation does, see
             ``RewardConfig.init_reward_head``).
         args: a :class:`RewardConfig` (default: ``RewardConfig("reward-model")``).
         data_collator: default :class:`~rlhf_trainers.data.PreferenceCollator`.
@@ -95,8 +96,6 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
     the same with the ``eval_`` prefix. ``preprocessing_stats`` holds per dataset how many pairs
     were truncated or dropped.
     """
-
-    _tag_names = ("rlhf_trainers", "reward")
 
     def __init__(
         self,
@@ -195,7 +194,6 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         # The loss below is a mean over the pairs of a micro-batch: the Trainer must divide it by the
         # gradient-accumulation steps (it does so only when the model takes no loss kwargs).
         self.model_accepts_loss_kwargs = False
-        self._snapshot_deepspeed_config()
         self._pair_rewards: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._normalization_policy = normalization_policy
         self._normalization_tokenizer = normalization_tokenizer
@@ -294,7 +292,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Returns ``(loss, rewards (B, 2) [chosen, rejected], labels (B,) zeros)``."""
-        inputs = self._prepare_inputs(inputs)
+        inputs = prepare_inputs(self, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
         loss = loss.detach()
@@ -320,7 +318,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         prompts: Sequence[Prompt] | datasets.Dataset | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> tuple[float, float]:
-        """Compute and store the reward normalization (the seed's gain and bias).
+        """Compute and store the reward normalization (the gain and bias of the reference implementation).
 
         Samples ``normalization_num_samples`` completions from ``policy`` (default: the
         ``normalization_policy`` given at construction) on ``prompts``, scores them with the current
@@ -396,7 +394,6 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         when = self.args.reward_normalization
         if when in ("before", "before_and_after") and not kwargs.get("resume_from_checkpoint") and not args:
             self.normalize_rewards()
-        self._prepare_model_for_training()
         self.interrupted = False
         apply_host_memory_settings(self)
         output = super().train(*args, **kwargs)
@@ -408,10 +405,11 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        super()._save(output_dir, state_dict)
+    def write_model(self, output_dir: str, state_dict: dict[str, Any] | None = None) -> None:
+        """``Trainer``'s model folder, plus ``reward_normalization.json`` (the gain and bias)."""
+        super().write_model(output_dir, state_dict)
         if self.args.should_save:
-            write_reward_normalization(self.model, output_dir or self.args.output_dir)
+            write_reward_normalization(self.model, output_dir)
 
 
 def _wrap_peft(model: PreTrainedModel, peft_config: PeftConfig) -> Any:

@@ -402,9 +402,9 @@ def load_policy_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
     if tokenizer.pad_token is None:
-        # Many Hub causal LMs ship without a pad token. The seed pads with a dedicated one (distinct from
-        # EOS), which needs new embeddings; reusing EOS is accepted by the trainers (their masks come from
-        # lengths, not from pad ids; only val/num_eos_tokens then counts padding too).
+        # Many Hub causal LMs ship without a pad token. The reference implementation pads with a dedicated
+        # one (distinct from EOS), which needs new embeddings; reusing EOS is accepted by the trainers (their
+        # masks come from lengths, not from pad ids; only val/num_eos_tokens then counts padding too).
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

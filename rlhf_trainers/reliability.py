@@ -1,27 +1,15 @@
-"""Fixes to ``transformers.Trainer`` behaviour that the trainers of this package share.
+"""Never lose a user's progress: atomic checkpoints, a clean stop on SIGTERM/SIGINT, and a guard that
+skips optimizer steps with NaN or inf gradients.
 
-``trainer.evaluate()`` before ``trainer.train()`` (a baseline before training, as users often do) is
-broken in ``transformers.Trainer`` on every distributed path we support (transformers 5.x with
-accelerate 1.x, measured on 2 CPU ranks):
-
-- **DDP**: ``evaluate`` prepares the model with ``prepare_model(model, evaluation_mode=True)``, which
-  marks it prepared without wrapping it in DistributedDataParallel; ``train`` then finds the mark,
-  keeps the bare model, and the ranks never all-reduce their gradients: each trains on its own shard
-  and the weights drift apart silently.
-- **DeepSpeed ZeRO-1/2**: ``evaluate`` asks for a ZeRO inference engine, which only ZeRO-3 has, and
-  raises ``ValueError``.
-- **DeepSpeed ZeRO-3**: ``evaluate`` builds an inference engine; ``train`` frees it at its start but the
-  trainer keeps pointing at it, so no training engine is built and the first backward fails with
-  ``'NoneType' object has no attribute 'backward'``. It also edits the shared DeepSpeed config in
-  place (optimizer and scheduler sections removed, "auto" step counts set for 0 steps).
-
-:class:`EvaluateBeforeTrainMixin` makes that sequence work; tests/test_reward_distributed.py runs it on
-each path and checks the ranks end with identical weights.
+:class:`ReliabilityArguments` holds the fields every config of this package shares
+(``save_on_interrupt``, ``max_nonfinite_steps``, ...), :class:`AtomicCheckpointMixin` the checkpoint
+writing, and :func:`reliability_callback` the signal handling and the guard for the duration of
+``train()``. The DeepSpeed offload check (:func:`check_zero_offload_optimizer`) refuses at config
+construction a config that ``deepspeed.initialize`` would refuse only when ``train()`` starts.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import shutil
@@ -31,67 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class EvaluateBeforeTrainMixin:
-    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``) and call
-    :meth:`_prepare_model_for_training` at the start of ``train``."""
-
-    _engine_from_evaluate: bool = False
-    _deepspeed_config_snapshot: dict[str, Any] | None = None
-
-    def _snapshot_deepspeed_config(self) -> None:
-        """Keep a copy of the DeepSpeed config as built at construction (call after ``Trainer.__init__``)."""
-        config = self._hf_deepspeed_config()
-        self._deepspeed_config_snapshot = copy.deepcopy(config.config) if config is not None else None
-
-    def _hf_deepspeed_config(self) -> Any:
-        if not getattr(self, "is_deepspeed_enabled", False):
-            return None
-        plugin = self.accelerator.state.deepspeed_plugin
-        return getattr(plugin, "hf_ds_config", None)
-
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.evaluation_loop``; before any training under ZeRO-1/2 it evaluates the plain model
-        (every rank holds all of its weights) instead of asking DeepSpeed for an inference engine."""
-        config = self._hf_deepspeed_config()
-        if config is None or self.deepspeed is not None:
-            return super().evaluation_loop(*args, **kwargs)
-        if not config.is_zero3():
-            self.is_deepspeed_enabled = False
-            try:
-                return super().evaluation_loop(*args, **kwargs)
-            finally:
-                self.is_deepspeed_enabled = True
-        output = super().evaluation_loop(*args, **kwargs)
-        self._engine_from_evaluate = self.deepspeed is not None
-        return output
-
-    def _prepare_model_for_training(self) -> None:
-        """Undo what an ``evaluate()`` before training left behind, so ``train()`` prepares the model
-        for training as if it had not run."""
-        model = self.model
-        if self._engine_from_evaluate:
-            # ZeRO-3: train() frees the inference engine; forget it so train() builds a training engine
-            # on the model, with the config as it was before evaluate() edited it.
-            self.model_wrapped = model
-            self.deepspeed = None
-            self._engine_from_evaluate = False
-            config = self._hf_deepspeed_config()
-            if config is not None and self._deepspeed_config_snapshot is not None:
-                config.config.clear()
-                config.config.update(copy.deepcopy(self._deepspeed_config_snapshot))
-        elif (
-            getattr(model, "_is_accelerate_prepared", False)
-            and self.model_wrapped is model
-            and not self.is_fsdp_enabled
-        ):
-            # DDP / ZeRO-1/2: the model was prepared for evaluation only (not wrapped); drop the mark
-            # so train() wraps it.
-            del model._is_accelerate_prepared
-            self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model]
-
-
-# ---- reliability: atomic checkpoints, stop on a signal, non-finite steps ----------------------------------
+from .compat import TrainerHooksMixin
 
 #: Prefix of the folder a checkpoint is written into before it is renamed to ``checkpoint-<step>``. It does
 #: not match ``transformers.trainer_utils.get_last_checkpoint``'s pattern, so a checkpoint that was being
@@ -179,7 +107,7 @@ class ReliabilityArguments:
             )
 
 
-class AtomicCheckpointMixin:
+class AtomicCheckpointMixin(TrainerHooksMixin):
     """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``): checkpoints are written into a
     staging folder and renamed to ``checkpoint-<step>`` only once complete, and older checkpoints are
     rotated away (``save_total_limit``) only after the new one is in place. A process killed while
@@ -191,13 +119,16 @@ class AtomicCheckpointMixin:
 
     _checkpoint_staging: str | None = None
 
-    def _get_output_dir(self, trial: Any) -> str:
-        return self._checkpoint_staging or super()._get_output_dir(trial)  # type: ignore[misc]
+    def checkpoint_run_dir(self, trial: Any) -> str:
+        """The staging folder while a checkpoint is being written (``Trainer`` writes
+        ``checkpoint-<step>`` into it), else the run's folder."""
+        return self._checkpoint_staging or super().checkpoint_run_dir(trial)
 
     def _save_extra_checkpoint_state(self, folder: str) -> None:
         """Write state of the subclass into the checkpoint ``folder`` (still in staging)."""
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def write_checkpoint(self, model: Any, trial: Any) -> None:
+        """``Trainer``'s checkpoint, written into a staging folder and then renamed into place."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         try:
@@ -205,7 +136,7 @@ class AtomicCheckpointMixin:
         except ImportError:  # pragma: no cover - older transformers
             rotate_checkpoints = None
         args = self.args  # type: ignore[attr-defined]
-        run_dir = super()._get_output_dir(trial)  # type: ignore[misc]
+        run_dir = super().checkpoint_run_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # type: ignore[attr-defined]
         staging = os.path.join(run_dir, STAGING_PREFIX + name)
         if args.should_save:
@@ -218,7 +149,7 @@ class AtomicCheckpointMixin:
         self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]
         self._checkpoint_staging = staging
         try:
-            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            super().write_checkpoint(model, trial)
             self._save_extra_checkpoint_state(os.path.join(staging, name))
         finally:
             self._checkpoint_staging = None

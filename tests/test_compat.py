@@ -1,0 +1,258 @@
+"""One test per private ``transformers.Trainer`` / ``accelerate`` API that rlhf_trainers/compat.py uses.
+
+Each test fails when a transformers or accelerate release changes the hook: the private method is gone,
+takes other parameters than the ones we pass, or ``Trainer`` no longer calls the one we override. They run
+a real ``Trainer`` on a two-parameter toy model (a few hundred milliseconds).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import GradientState
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from rlhf_trainers import compat
+from rlhf_trainers.compat import EvaluateBeforeTrainMixin, TrainerHooksMixin
+from rlhf_trainers.reliability import STAGING_PREFIX, AtomicCheckpointMixin
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.linear(x)
+        return {"loss": ((prediction - y) ** 2).mean(), "logits": prediction}
+
+
+def _dataset(rows: int = 8) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {"x": torch.randn(4, generator=generator), "y": torch.randn(1, generator=generator)}
+        for _ in range(rows)
+    ]
+
+
+def _args(tmp_path: Any, **overrides: Any) -> TrainingArguments:
+    fields = {
+        "output_dir": str(tmp_path),
+        "use_cpu": True,
+        "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 4,
+        "max_steps": 2,
+        "save_steps": 1,
+        "logging_steps": 1,
+        "max_grad_norm": 1.0,
+        "report_to": [],
+        "disable_tqdm": True,
+        "label_names": ["y"],
+    }
+    fields.update(overrides)
+    return TrainingArguments(**fields)
+
+
+class RecordingTrainer(TrainerHooksMixin, Trainer):
+    """Records which of our public methods the private hooks reached."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+
+    def write_model(self, output_dir: str, state_dict: dict[str, Any] | None = None) -> None:
+        self.calls.append("write_model")
+        super().write_model(output_dir, state_dict)
+
+    def load_weights_from_checkpoint(self, checkpoint: str, model: nn.Module | None = None) -> None:
+        self.calls.append("load_weights_from_checkpoint")
+        super().load_weights_from_checkpoint(checkpoint, model)
+
+    def checkpoint_run_dir(self, trial: Any) -> str:
+        self.calls.append("checkpoint_run_dir")
+        return super().checkpoint_run_dir(trial)
+
+    def write_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        self.calls.append("write_checkpoint")
+        super().write_checkpoint(model, trial)
+
+
+@pytest.fixture
+def private_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the private ``Trainer``/accelerate methods called while the test runs."""
+    calls: list[str] = []
+    for owner, name in [
+        (Trainer, "_init_training_state"),
+        (Trainer, "_prepare_for_training"),
+        (Trainer, "_load_rng_state"),
+        (Trainer, "_get_learning_rate"),
+        (Trainer, "_clip_grad_norm"),
+        (Trainer, "_prepare_inputs"),
+        (Trainer, "evaluation_loop"),
+        (GradientState, "_set_sync_gradients"),
+    ]:
+        original = getattr(owner, name)
+
+        def recorder(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recorder)
+    return calls
+
+
+# ---- the parameters we pass ---------------------------------------------------------------------------------
+
+# (owner, private method, the parameters compat.py passes, by position, after self)
+SIGNATURES = [
+    (
+        Trainer,
+        "_init_training_state",
+        ["max_steps", "num_update_steps_per_epoch", "num_train_epochs", "resume_from_checkpoint", "trial"],
+    ),
+    (Trainer, "_prepare_for_training", ["max_steps", "train_dataloader", "resume_from_checkpoint"]),
+    (Trainer, "_load_rng_state", ["checkpoint"]),
+    (Trainer, "_save_checkpoint", ["model", "trial"]),
+    (Trainer, "_get_learning_rate", []),
+    (Trainer, "_clip_grad_norm", ["model"]),
+    (Trainer, "_prepare_inputs", ["inputs"]),
+    (Trainer, "_load_from_checkpoint", ["resume_from_checkpoint", "model"]),
+    (Trainer, "_save", ["output_dir", "state_dict"]),
+    (Trainer, "_get_output_dir", ["trial"]),
+    (GradientState, "_set_sync_gradients", ["sync_gradients"]),
+]
+
+
+@pytest.mark.parametrize(("owner", "name", "parameters"), SIGNATURES, ids=[s[1] for s in SIGNATURES])
+def test_private_method_takes_the_parameters_we_pass(owner: type, name: str, parameters: list[str]) -> None:
+    method = getattr(owner, name, None)
+    assert method is not None, (
+        f"{owner.__name__}.{name} is gone; rlhf_trainers/compat.py calls or overrides it"
+    )
+    assert list(inspect.signature(method).parameters)[1:] == parameters
+
+
+def test_overrides_take_the_same_parameters_as_the_hooks_they_replace() -> None:
+    for name in ("_save", "_load_from_checkpoint", "_get_output_dir", "_save_checkpoint"):
+        ours = list(inspect.signature(getattr(TrainerHooksMixin, name)).parameters)
+        assert ours == list(inspect.signature(getattr(Trainer, name)).parameters), name
+    ours = inspect.signature(EvaluateBeforeTrainMixin.evaluation_loop).parameters
+    assert "args" in ours and "kwargs" in ours  # forwards whatever Trainer.evaluate passes
+
+
+# ---- Trainer still calls the hooks ----------------------------------------------------------------------------
+
+
+def test_train_save_and_resume_go_through_every_hook(tmp_path: Any, private_calls: list[str]) -> None:
+    trainer = RecordingTrainer(model=ToyModel(), args=_args(tmp_path), train_dataset=_dataset())
+    trainer.train()
+    assert {"write_checkpoint", "checkpoint_run_dir", "write_model"} <= set(trainer.calls)
+    assert {"_init_training_state", "_prepare_for_training", "_get_learning_rate", "_clip_grad_norm"} <= set(
+        private_calls
+    )
+    assert os.path.isfile(tmp_path / "checkpoint-2" / "model.safetensors")
+
+    trainer.calls.clear()
+    trainer.save_model(str(tmp_path / "final"))
+    assert trainer.calls == ["write_model"]
+
+    private_calls.clear()
+    resumed = RecordingTrainer(model=ToyModel(), args=_args(tmp_path, max_steps=3), train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert "load_weights_from_checkpoint" in resumed.calls
+    assert "_load_rng_state" in private_calls
+    assert resumed.state.global_step == 3
+
+
+def test_evaluate_reaches_evaluation_loop_and_prepare_inputs(tmp_path: Any, private_calls: list[str]) -> None:
+    trainer = RecordingTrainer(model=ToyModel(), args=_args(tmp_path), eval_dataset=_dataset(4))
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics
+    assert {"evaluation_loop", "_prepare_inputs"} <= set(private_calls)
+
+
+# ---- the calls, with the arguments the on-policy engine passes -----------------------------------------------
+
+
+class AtomicTrainer(AtomicCheckpointMixin, Trainer):
+    pass
+
+
+def test_calls_in_the_order_the_on_policy_engine_makes_them(tmp_path: Any) -> None:
+    trainer = AtomicTrainer(model=ToyModel(), args=_args(tmp_path), train_dataset=_dataset())
+    assert compat.init_training_state(trainer, 2, 1, 2, None, None) == (0, 0)
+    assert trainer.state.max_steps == 2
+    model, dataloader = compat.prepare_for_training(trainer, 2, None, None)
+    assert dataloader is None and trainer.optimizer is not None and trainer.lr_scheduler is not None
+    assert compat.get_learning_rate(trainer) == pytest.approx(trainer.args.learning_rate)
+
+    batch = compat.prepare_inputs(trainer, {"x": torch.full((2, 4), 100.0), "y": torch.zeros(2, 1)})
+    compat.set_sync_gradients(trainer.accelerator, False)
+    assert trainer.accelerator.sync_gradients is False
+    compat.set_sync_gradients(trainer.accelerator, True)
+    assert trainer.accelerator.sync_gradients is True
+    trainer.accelerator.backward(model(**batch)["loss"])
+    norm = float(compat.clip_grad_norm(trainer, model))
+    assert norm > 1.0  # the norm before clipping ...
+    clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert float(clipped) == pytest.approx(1.0, rel=1e-4)  # ... and the gradients clipped to max_grad_norm
+    trainer.optimizer.step()
+    trainer.state.global_step = 1
+
+    rng_at_save = torch.random.get_rng_state()
+    compat.save_checkpoint(trainer, model)  # through AtomicCheckpointMixin: staged, then renamed
+    checkpoint = tmp_path / "checkpoint-1"
+    assert os.path.isfile(checkpoint / "model.safetensors") and os.path.isfile(checkpoint / "rng_state.pth")
+    assert not [entry for entry in os.listdir(tmp_path) if entry.startswith(STAGING_PREFIX)]
+
+    saved = {name: value.clone() for name, value in trainer.model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.zero_()
+    compat.load_from_checkpoint(trainer, str(checkpoint))
+    for name, value in trainer.model.state_dict().items():
+        torch.testing.assert_close(value, saved[name])
+
+    torch.rand(3)
+    assert not torch.equal(torch.random.get_rng_state(), rng_at_save)
+    compat.load_rng_state(trainer, str(checkpoint))
+    assert torch.equal(torch.random.get_rng_state(), rng_at_save)
+
+
+# ---- accelerate's preparation mark -----------------------------------------------------------------------------
+
+
+def test_forget_evaluation_preparation_lets_prepare_wrap_the_model_again() -> None:
+    accelerator = Accelerator(cpu=True)
+    model = ToyModel()
+    accelerator.prepare_model(model, evaluation_mode=True)
+    assert compat.is_prepared(model)
+    assert any(m is model for m in accelerator._models)
+    compat.forget_evaluation_preparation(accelerator, model)
+    assert not compat.is_prepared(model)
+    assert not any(m is model for m in accelerator._models)
+    accelerator.prepare_model(model)
+    assert compat.is_prepared(model)
+
+
+class EvaluateFirstTrainer(EvaluateBeforeTrainMixin, RecordingTrainer):
+    pass
+
+
+def test_evaluate_before_train_uses_the_trainer_attributes_the_fix_resets(tmp_path: Any) -> None:
+    trainer = EvaluateFirstTrainer(
+        model=ToyModel(), args=_args(tmp_path), train_dataset=_dataset(), eval_dataset=_dataset(4)
+    )
+    for attribute in ("deepspeed", "is_deepspeed_enabled", "is_fsdp_enabled", "model_wrapped", "accelerator"):
+        assert hasattr(trainer, attribute), attribute
+    assert trainer._deepspeed_config_snapshot is None  # no DeepSpeed here
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    assert after != before
