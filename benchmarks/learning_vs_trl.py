@@ -346,7 +346,7 @@ def main() -> None:
                     "policy": info["tiny"]["policy"],
                     "reward": info["reward_model"]["path"],
                     "prompts": info["prompts"],
-                    "testing_py": str(ROOT / "rlhf_trainers" / "testing.py"),
+                    "task_py": str(ROOT / "rlhf_trainers" / "testing" / "task.py"),
                     "settings": {
                         **settings,
                         "seed": seed,

@@ -514,7 +514,7 @@ def main() -> None:
     info = prepare_in_subprocess(work, sizes, args.gguf)
     matmul_start = matmul_in_subprocess(args.matmul_sizes, 10, args.threads)
     print(f"fp32 matmul: {matmul_start['best_median_flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
-    testing_py = str(ROOT / "rlhf_trainers" / "testing.py")
+    task_py = str(ROOT / "rlhf_trainers" / "testing" / "task.py")
     results = []
     for size, n_updates in zip(sizes, updates, strict=True):
         shapes = model_shapes(info[size])
@@ -544,7 +544,7 @@ def main() -> None:
                         "policy": info[size]["policy"],
                         "reward": info[size]["reward"],
                         "prompts": info["prompts"],
-                        "testing_py": testing_py,
+                        "task_py": task_py,
                         "settings": settings,
                     }
                     name = f"{size}-{impl}-{algo}-{rep}"

@@ -5,7 +5,7 @@ Run by the interpreter of the right virtual environment: the project's ``.venv``
 ``benchmarks/.venvs/trl-1.12`` for TRL's PPO (``trl.experimental.ppo.PPOTrainer``), and
 ``benchmarks/.venvs/trl-latest`` for TRL's RLOO (``trl.RLOOTrainer``). It imports nothing from this project
 on TRL's side: models, tokenizers and prompts come from local folders and a JSON file that the driver
-wrote; the hidden true reward (learning runs only) is read from ``rlhf_trainers/testing.py`` as a
+wrote; the hidden true reward (learning runs only) is read from ``rlhf_trainers/testing/task.py`` as a
 standalone module, loaded by file path.
 
     python benchmarks/vs_trl_worker.py SPEC.json OUT.json
@@ -149,8 +149,8 @@ def text_reward_function(model: Any, tokenizer: Any) -> Callable[..., list[float
     return score
 
 
-def load_true_reward(testing_py: str) -> Callable[..., list[float]]:
-    spec = importlib.util.spec_from_file_location("_kit_testing_standalone", testing_py)
+def load_true_reward(task_py: str) -> Callable[..., list[float]]:
+    spec = importlib.util.spec_from_file_location("_kit_task_standalone", task_py)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and typing look the module up by name
     spec.loader.exec_module(module)
@@ -447,7 +447,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             f"reward_source {reward_source!r} (a reward function) is for RLOO only: TRL 1.12's PPO needs a model"
         )
     need_true = s.get("eval_every") or reward_source == "true"
-    true_reward = load_true_reward(spec["testing_py"]) if need_true else None
+    true_reward = load_true_reward(spec["task_py"]) if need_true else None
 
     if s.get("threads"):
         torch.set_num_threads(s["threads"])

@@ -36,6 +36,7 @@ from rlhf_trainers.testing import (
     get_kit,
     true_reward,
 )
+from rlhf_trainers.testing import kit as testing_kit
 
 PROMPTS = ["the movie was", "i think the room is really", "we found"]
 
@@ -103,6 +104,38 @@ def test_fresh_builds_are_fast_complete_identical_and_built_once(tmp_path):
     hashes = _hashes(tmp_path / "fresh")
     assert len(hashes) == len(MODEL_NAMES) * 2 + 2
     assert hashes == _hashes(tmp_path / "raced")
+
+
+_PRINT_FINGERPRINT = """
+from rlhf_trainers.testing import kit
+print(kit.__file__)
+print(kit._FINGERPRINT)
+"""
+
+
+def test_fingerprint_follows_the_sources_of_the_kit_content(tmp_path):
+    # Kits built by other code must be rebuilt: an edit to the task or to the asset builder changes the
+    # fingerprint; an edit to the code that only finds and loads kits does not.
+    package = Path(testing_kit.__file__).parents[1]
+
+    def fingerprint_after_editing(module: str) -> str:
+        root = tmp_path / module.removesuffix(".py")
+        shutil.copytree(package, root / "rlhf_trainers", ignore=shutil.ignore_patterns("__pycache__"))
+        with open(root / "rlhf_trainers" / "testing" / module, "a") as handle:
+            handle.write("\n# edited\n")
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        run = subprocess.run(
+            [sys.executable, "-c", _PRINT_FINGERPRINT], cwd=root, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        path, fingerprint = run.stdout.split()
+        assert Path(path).is_relative_to(root)
+        return fingerprint
+
+    assert testing_kit._FINGERPRINT == testing_kit._source_fingerprint() != "unknown"
+    assert fingerprint_after_editing("task.py") != testing_kit._FINGERPRINT
+    assert fingerprint_after_editing("assets.py") != testing_kit._FINGERPRINT
+    assert fingerprint_after_editing("kit.py") == testing_kit._FINGERPRINT
 
 
 def test_second_get_kit_is_instant(kit):

@@ -109,31 +109,31 @@ def detect_preference_format(dataset: datasets.Dataset) -> str:
         )
 
     if {"input_ids_chosen", "input_ids_rejected"} <= columns:
-        fmt = "tokenized"
+        data_format = "tokenized"
     elif {"chosen", "rejected"} <= columns:
-        fmt = None  # text or conversational: decided by the values below
+        data_format = None  # text or conversational: decided by the values below
     else:
         raise _missing_columns_error(columns)
 
     row = dataset[0]
-    if fmt == "tokenized":
+    if data_format == "tokenized":
         for column in PREFERENCE_FORMATS["tokenized"]:
             if not _is_id_list(row[column]):
                 raise _type_error(column, row[column], "a non-empty list of int token ids (tokenized format)")
     else:
         chosen = row["chosen"]
         if isinstance(chosen, str):
-            fmt = "explicit" if "prompt" in columns else "implicit"
-            text_columns = PREFERENCE_FORMATS[fmt]
+            data_format = "explicit" if "prompt" in columns else "implicit"
+            text_columns = PREFERENCE_FORMATS[data_format]
             for column in text_columns:
                 if not isinstance(row[column], str):
                     raise _type_error(
                         column,
                         row[column],
-                        f"a string like 'chosen' ({fmt} format: {', '.join(text_columns)})",
+                        f"a string like 'chosen' ({data_format} format: {', '.join(text_columns)})",
                     )
         elif is_message_list(chosen):
-            fmt = "conversational"
+            data_format = "conversational"
             for column in ("prompt", "rejected"):
                 if column in columns and not is_message_list(row[column]):
                     raise _type_error(
@@ -152,7 +152,7 @@ def detect_preference_format(dataset: datasets.Dataset) -> str:
         margin = row["margin"]
         if not isinstance(margin, numbers.Real) or isinstance(margin, bool):
             raise _type_error("margin", margin, "a float")
-    return fmt
+    return data_format
 
 
 def _missing_columns_error(columns: set[str]) -> ValueError:
@@ -237,6 +237,140 @@ def _check_tokenize_args(
         )
 
 
+def _check_chat_template(data_format: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    if data_format == "conversational" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the dataset is conversational (lists of messages) but the tokenizer has no chat template. "
+            "Set tokenizer.chat_template to a Jinja template (e.g. the one of the model's instruct version), "
+            "or pass text columns (explicit: prompt/chosen/rejected strings; implicit: chosen/rejected)."
+        )
+
+
+@dataclass
+class _PairTokenizer:
+    """The ``dataset.map`` function of :func:`tokenize_preferences`: a batch of rows to token id pairs.
+
+    A module-level class rather than a closure, so that ``num_proc > 1`` can pickle it.
+    """
+
+    data_format: str
+    tokenizer: Any
+    has_prompt: bool
+    has_margin: bool
+    eos_id: int | None  # None: no EOS appended (add_eos=False, or the tokenized format)
+    bos_id: int | None
+    max_length: int | None
+    drop: bool
+    vocab_size: int | None
+
+    def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        chosen = self.side_ids(batch, "chosen", indices)
+        rejected = self.side_ids(batch, "rejected", indices)
+        if self.has_margin:
+            check_present(batch["margin"], "margin", indices)
+            margins = [float(margin) for margin in batch["margin"]]
+        else:
+            margins = [0.0] * len(chosen)
+        out: dict[str, list[Any]] = {name: [] for name in (*_TOKENIZED_COLUMNS, "_truncated")}
+        for chosen_ids, rejected_ids, margin in zip(chosen, rejected, margins, strict=True):
+            long = self.max_length is not None and max(len(chosen_ids), len(rejected_ids)) > self.max_length
+            if long and self.drop:
+                continue
+            if long:
+                chosen_ids = truncate_left(chosen_ids, self.max_length, self.bos_id)
+                rejected_ids = truncate_left(rejected_ids, self.max_length, self.bos_id)
+            out["input_ids_chosen"].append(chosen_ids)
+            out["input_ids_rejected"].append(rejected_ids)
+            out["margin"].append(margin)
+            out["_truncated"].append(long)
+        return out
+
+    def side_ids(self, batch: dict[str, list[Any]], side: str, indices: list[int]) -> list[list[int]]:
+        """Token ids of one side ("chosen"/"rejected") of the batch, EOS appended where asked, checked."""
+        if self.data_format == "tokenized":
+            ids = self._given_ids(batch, side, indices)
+        elif self.data_format == "conversational":
+            ids = self._conversation_ids(batch, side, indices)
+        else:
+            ids = self._text_ids(batch, side, indices)
+        if self.eos_id is not None:
+            for sequence in ids:
+                if not sequence or sequence[-1] != self.eos_id:
+                    sequence.append(self.eos_id)
+        column = f"input_ids_{side}" if self.data_format == "tokenized" else side
+        for sequence, index in zip(ids, indices, strict=True):
+            if not sequence:
+                raise ValueError(
+                    f"row {index}: {side} has 0 tokens; every side needs at least one. Remove such rows first, "
+                    "e.g. with dataset.filter."
+                )
+            check_vocabulary(sequence, index, column, self.vocab_size, "reward model")
+        return ids
+
+    def _given_ids(self, batch: dict[str, list[Any]], side: str, indices: list[int]) -> list[list[int]]:
+        column = f"input_ids_{side}"
+        check_present(batch[column], column, indices)
+        return [list(sequence) for sequence in batch[column]]
+
+    def _conversation_ids(
+        self, batch: dict[str, list[Any]], side: str, indices: list[int]
+    ) -> list[list[int]]:
+        # The template writes its own special tokens, so the tokenizer must not add more.
+        check_present(batch[side], side, indices)
+        if self.has_prompt:
+            check_present(batch["prompt"], "prompt", indices)
+            conversations = [
+                prompt + completion for prompt, completion in zip(batch["prompt"], batch[side], strict=True)
+            ]
+        else:
+            conversations = batch[side]
+        for conversation, index in zip(conversations, indices, strict=True):
+            check_messages(conversation, index, f"prompt + {side}" if self.has_prompt else side)
+        texts = apply_chat_template(self.tokenizer, conversations, indices, tokenize=False)
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def _text_ids(self, batch: dict[str, list[Any]], side: str, indices: list[int]) -> list[list[int]]:
+        check_strings(batch[side], side, indices)
+        if self.data_format == "explicit":
+            check_strings(batch["prompt"], "prompt", indices)
+            texts = [
+                prompt + completion for prompt, completion in zip(batch["prompt"], batch[side], strict=True)
+            ]
+        else:
+            texts = batch[side]
+        return self.tokenizer(texts, return_attention_mask=False)["input_ids"]
+
+
+def _map_pairs(
+    dataset: datasets.Dataset, pair_tokenizer: _PairTokenizer, num_proc: int | None
+) -> tuple[datasets.Dataset, int]:
+    """`dataset` mapped through `pair_tokenizer`, and how many of its pairs were truncated."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            "input_ids_chosen": datasets.List(datasets.Value("int64")),
+            "input_ids_rejected": datasets.List(datasets.Value("int64")),
+            "margin": datasets.Value("float64"),
+            "_truncated": datasets.Value("bool"),
+        }
+    )
+    tokenized = dataset.map(
+        pair_tokenizer,
+        batched=True,
+        with_indices=True,
+        remove_columns=dataset.column_names,  # all of them, so the batch may shrink (dropped pairs)
+        features=features,
+        num_proc=num_proc,
+        desc=f"Tokenizing preference pairs ({pair_tokenizer.data_format})",
+    )
+    # The map's output has no indices mapping, so its Arrow table is the rows as they are; counting there
+    # avoids iterating a datasets 5 Column (one formatted row at a time, ~100x slower).
+    num_truncated = tokenized.data.column("_truncated").to_pylist().count(True)
+    tokenized = tokenized.remove_columns("_truncated")
+    return tokenized, num_truncated
+
+
 def tokenize_preferences(
     dataset: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -276,8 +410,7 @@ def tokenize_preferences(
         max_length: limit on tokens per side (>= 2), or None for no limit.
         long_pairs: "truncate" or "drop" (see above).
         add_eos: append EOS to text-format sides that lack it.
-        num_proc: processes for ``dataset.map`` (None: this process). An in-memory dataset with
-            ``num_proc=None`` is tokenized in this process without ``map`` (no cache file to write).
+        num_proc: processes for ``dataset.map`` (None: this process).
         vocab_size: if given, every id must be in ``[0, vocab_size)`` (e.g. the size of the reward model's
             input embeddings), which catches pairs tokenized with another tokenizer.
 
@@ -293,105 +426,22 @@ def tokenize_preferences(
             outside `vocab_size` (with the row index), and everything :func:`detect_preference_format`
             raises.
     """
-    import datasets
-
     _check_tokenize_args(tokenizer, max_length, long_pairs, add_eos, num_proc)
     check_prompt_args(None, vocab_size, None)
-    fmt = detect_preference_format(dataset)
-    if fmt == "conversational" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the dataset is conversational (lists of messages) but the tokenizer has no chat template. "
-            "Set tokenizer.chat_template to a Jinja template (e.g. the one of the model's instruct version), "
-            "or pass text columns (explicit: prompt/chosen/rejected strings; implicit: chosen/rejected)."
-        )
-
-    has_prompt = "prompt" in dataset.column_names
-    has_margin = "margin" in dataset.column_names
-    eos_id = tokenizer.eos_token_id if add_eos and fmt != "tokenized" else None
-    bos_id = tokenizer.bos_token_id
-    drop = long_pairs == "drop"
-
-    def ids_of(batch: dict[str, list[Any]], side: str, indices: list[int]) -> list[list[int]]:
-        """Token ids of one side ("chosen"/"rejected") of the batch, EOS appended where asked."""
-        if fmt == "tokenized":
-            column = f"input_ids_{side}"
-            check_present(batch[column], column, indices)
-            ids = [list(seq) for seq in batch[column]]
-        elif fmt == "conversational":
-            check_present(batch[side], side, indices)
-            if has_prompt:
-                check_present(batch["prompt"], "prompt", indices)
-                conversations = [p + c for p, c in zip(batch["prompt"], batch[side], strict=True)]
-            else:
-                conversations = batch[side]
-            for conversation, index in zip(conversations, indices, strict=True):
-                check_messages(conversation, index, f"prompt + {side}" if has_prompt else side)
-            texts = apply_chat_template(tokenizer, conversations, indices, tokenize=False)
-            ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        else:
-            check_strings(batch[side], side, indices)
-            if fmt == "explicit":
-                check_strings(batch["prompt"], "prompt", indices)
-                texts = [p + c for p, c in zip(batch["prompt"], batch[side], strict=True)]
-            else:
-                texts = batch[side]
-            ids = tokenizer(texts, return_attention_mask=False)["input_ids"]
-        if eos_id is not None:
-            for seq in ids:
-                if not seq or seq[-1] != eos_id:
-                    seq.append(eos_id)
-        for seq, index in zip(ids, indices, strict=True):
-            if not seq:
-                raise ValueError(
-                    f"row {index}: {side} has 0 tokens; every side needs at least one. Remove such rows first, "
-                    "e.g. with dataset.filter."
-                )
-            column = f"input_ids_{side}" if fmt == "tokenized" else side
-            check_vocabulary(seq, index, column, vocab_size, "reward model")
-        return ids
-
-    def process(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        chosen = ids_of(batch, "chosen", indices)
-        rejected = ids_of(batch, "rejected", indices)
-        if has_margin:
-            check_present(batch["margin"], "margin", indices)
-            margins = [float(m) for m in batch["margin"]]
-        else:
-            margins = [0.0] * len(chosen)
-        out: dict[str, list[Any]] = {name: [] for name in (*_TOKENIZED_COLUMNS, "_truncated")}
-        for c, r, m in zip(chosen, rejected, margins, strict=True):
-            long = max_length is not None and max(len(c), len(r)) > max_length
-            if long and drop:
-                continue
-            if long:
-                c, r = truncate_left(c, max_length, bos_id), truncate_left(r, max_length, bos_id)
-            out["input_ids_chosen"].append(c)
-            out["input_ids_rejected"].append(r)
-            out["margin"].append(m)
-            out["_truncated"].append(long)
-        return out
-
-    features = datasets.Features(
-        {
-            "input_ids_chosen": datasets.List(datasets.Value("int64")),
-            "input_ids_rejected": datasets.List(datasets.Value("int64")),
-            "margin": datasets.Value("float64"),
-            "_truncated": datasets.Value("bool"),
-        }
+    data_format = detect_preference_format(dataset)
+    _check_chat_template(data_format, tokenizer)
+    pair_tokenizer = _PairTokenizer(
+        data_format=data_format,
+        tokenizer=tokenizer,
+        has_prompt="prompt" in dataset.column_names,
+        has_margin="margin" in dataset.column_names,
+        eos_id=tokenizer.eos_token_id if add_eos and data_format != "tokenized" else None,
+        bos_id=tokenizer.bos_token_id,
+        max_length=max_length,
+        drop=long_pairs == "drop",
+        vocab_size=vocab_size,
     )
-    tokenized = dataset.map(
-        process,
-        batched=True,
-        with_indices=True,
-        remove_columns=dataset.column_names,  # all of them, so the batch may shrink (dropped pairs)
-        features=features,
-        num_proc=num_proc,
-        desc=f"Tokenizing preference pairs ({fmt})",
-    )
-    # The map's output has no indices mapping, so its Arrow table is the rows as they are; counting there
-    # avoids iterating a datasets 5 Column (one formatted row at a time, ~100x slower).
-    num_truncated = tokenized.data.column("_truncated").to_pylist().count(True)
-    tokenized = tokenized.remove_columns("_truncated")
+    tokenized, num_truncated = _map_pairs(dataset, pair_tokenizer, num_proc)
     stats = PreferenceTokenizationStats(
         num_rows=len(dataset),
         num_kept=len(tokenized),
