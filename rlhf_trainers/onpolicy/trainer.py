@@ -641,24 +641,9 @@ class OnPolicyTrainer(
         last_metrics: dict[str, float] = {}
         policy_losses: list[float] = []
         while self.state.global_step < self.num_updates and not self.control.should_training_stop:
-            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            lr = compat.get_learning_rate(self)  # the rate this update trains with
-            metrics = self._update(model, self.state.global_step)
-            self.lr_scheduler.step()
-            self.state.global_step += 1
-            self.state.epoch = self.state.global_step / self.updates_per_data_epoch
-            metrics["lr"] = lr
-            metrics["episode"] = self.state.global_step * self.batch_size
-            metrics["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
-            for name, value in metrics.items():
-                self._log_buffer[name].append(value)
-            last_metrics = metrics
-            if "loss/policy_avg" in metrics:
-                policy_losses.append(metrics["loss/policy_avg"])
-            if sample_every and (self.state.global_step - 1) % sample_every == 0:
-                self._log_samples(self._last_rollout)
-            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            self._log_save_evaluate(model)
+            last_metrics = self._training_step(model, sample_every)
+            if "loss/policy_avg" in last_metrics:
+                policy_losses.append(last_metrics["loss/policy_avg"])
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         runtime = time.time() - start_time
@@ -671,6 +656,35 @@ class OnPolicyTrainer(
         # training_loss, as Trainer reports it: the mean policy loss over the updates of this call.
         training_loss = sum(policy_losses) / len(policy_losses) if policy_losses else 0.0
         return TrainOutput(self.state.global_step, training_loss, out)
+
+    def _training_step(self, model: nn.Module, sample_every: int) -> dict[str, float]:
+        """One update with the callbacks and the bookkeeping around it; returns its metrics.
+
+        Trainer's *epoch* is here a pass over the prompts (``updates_per_data_epoch`` updates): the
+        callbacks hear ``on_epoch_begin`` and ``on_epoch_end`` at its boundaries, so the "epoch"
+        strategies (``eval_strategy``, ``save_strategy``, ``logging_strategy``) act at the end of each
+        pass, and, as in ``Trainer``, at the end of a run that stops within one."""
+        args = self.args
+        if self.state.global_step % self.updates_per_data_epoch == 0:
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+        lr = compat.get_learning_rate(self)  # the rate this update trains with
+        metrics = self._update(model, self.state.global_step)
+        self.lr_scheduler.step()
+        self.state.global_step += 1
+        self.state.epoch = self.state.global_step / self.updates_per_data_epoch
+        metrics["lr"] = lr
+        metrics["episode"] = self.state.global_step * self.batch_size
+        metrics["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
+        for name, value in metrics.items():
+            self._log_buffer[name].append(value)
+        if sample_every and (self.state.global_step - 1) % sample_every == 0:
+            self._log_samples(self._last_rollout)
+        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        if self.state.global_step % self.updates_per_data_epoch == 0 or self.control.should_training_stop:
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        self._log_save_evaluate(model)
+        return metrics
 
     def _log_save_evaluate(self, model: nn.Module) -> None:
         if self.control.should_log and self._log_buffer:
