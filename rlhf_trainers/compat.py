@@ -1,4 +1,5 @@
-"""Every use of a private ``transformers.Trainer`` or ``accelerate`` API in this package, in one place.
+"""Every use of a private ``transformers.Trainer``, ``transformers``, ``accelerate`` or DeepSpeed API in this
+package, in one place.
 
 Tested with transformers 5.x and accelerate 1.x; setup.cfg caps both below their next major version.
 Private methods can change in any release, so each one we rely on has a test in tests/test_compat.py that
@@ -132,6 +133,20 @@ def is_prepared(model: nn.Module) -> bool:
     """Whether accelerate has marked ``model`` as prepared (for training or, after ``evaluate()``, for
     evaluation only)."""
     return bool(getattr(model, "_is_accelerate_prepared", False))
+
+
+def register_zero3_hooks(offload: Any) -> None:
+    """Put back the parameter fetch/release hooks of a ZeRO-3 engine's parameter offload
+    (``DeepSpeedZeRoOffload._register_deepspeed_module``) after they were removed to run with the
+    weights gathered whole (as DeepSpeed's own ``unwrap_model_for_generation`` does)."""
+    offload._register_deepspeed_module(offload.module)
+
+
+def has_loaded_adapter(model: Any) -> bool:
+    """Whether a PEFT adapter was loaded into the transformers ``model`` itself (``load_adapter``, or
+    ``from_pretrained`` of an adapter folder), which leaves it a plain ``PreTrainedModel``; transformers
+    records it only in the private ``_hf_peft_config_loaded``."""
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
 
 
 # ---- overrides --------------------------------------------------------------------------------------------

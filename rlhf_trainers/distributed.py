@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .compat import register_zero3_hooks
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -117,7 +119,7 @@ def generation_context(model: nn.Module, engine: Any, *, gather_weights: bool) -
         try:
             yield
         finally:
-            offload._register_deepspeed_module(offload.module)
+            register_zero3_hooks(offload)
 
 
 def deepspeed_inference_engine(model: nn.Module, accelerator: Any) -> Any:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .compat import has_loaded_adapter
 from .distributed import gathered
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _base(model: Any) -> PreTrainedModel:
 def has_peft_adapter(model: Any) -> bool:
     """Whether `model` already carries a PEFT adapter: a ``PeftModel``, or a transformers model whose
     adapter was loaded with ``load_adapter`` (or ``from_pretrained`` of an adapter folder)."""
-    return _is_peft_model(model) or bool(getattr(model, "_hf_peft_config_loaded", False))
+    return _is_peft_model(model) or has_loaded_adapter(model)
 
 
 def embedding_rows(model: Any) -> int:

@@ -114,7 +114,7 @@ class AtomicCheckpointMixin(TrainerHooksMixin):
     saving leaves at most a ``.incomplete-checkpoint-<step>`` folder, which resuming ignores and the next
     save removes.
 
-    Subclasses that store more state in a checkpoint override :meth:`_save_extra_checkpoint_state`.
+    Subclasses that store more state in a checkpoint override :meth:`write_extra_checkpoint_state`.
     """
 
     _checkpoint_staging: str | None = None
@@ -124,8 +124,10 @@ class AtomicCheckpointMixin(TrainerHooksMixin):
         ``checkpoint-<step>`` into it), else the run's folder."""
         return self._checkpoint_staging or super().checkpoint_run_dir(trial)
 
-    def _save_extra_checkpoint_state(self, folder: str) -> None:
-        """Write state of the subclass into the checkpoint ``folder`` (still in staging)."""
+    def write_extra_checkpoint_state(self, folder: str) -> None:
+        """Write state of the subclass into the checkpoint ``folder`` (still in staging, after
+        ``Trainer`` wrote the model, optimizer, scheduler, RNG and trainer state; on every process, so
+        write only where ``args.should_save``). Default: nothing."""
 
     def write_checkpoint(self, model: Any, trial: Any) -> None:
         """``Trainer``'s checkpoint, written into a staging folder and then renamed into place."""
@@ -150,7 +152,7 @@ class AtomicCheckpointMixin(TrainerHooksMixin):
         self._checkpoint_staging = staging
         try:
             super().write_checkpoint(model, trial)
-            self._save_extra_checkpoint_state(os.path.join(staging, name))
+            self.write_extra_checkpoint_state(os.path.join(staging, name))
         finally:
             self._checkpoint_staging = None
         self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from typing import Any
 
 import pytest
@@ -256,3 +257,85 @@ def test_evaluate_before_train_uses_the_trainer_attributes_the_fix_resets(tmp_pa
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
     assert after != before
+
+
+# ---- hooks outside Trainer ---------------------------------------------------------------------------------
+
+
+def test_zero3_offload_still_has_the_method_that_registers_its_hooks() -> None:
+    offload_module = pytest.importorskip("deepspeed.runtime.zero.parameter_offload")
+    method = offload_module.DeepSpeedZeRoOffload._register_deepspeed_module
+    assert list(inspect.signature(method).parameters)[1] == "module"
+    registered: list[nn.Module] = []
+
+    class Offload:
+        module = ToyModel()
+
+        def _register_deepspeed_module(self, module: nn.Module) -> None:
+            registered.append(module)
+
+    offload = Offload()
+    compat.register_zero3_hooks(offload)
+    assert registered == [offload.module]
+
+
+def test_transformers_marks_a_model_with_a_loaded_adapter_where_compat_looks() -> None:
+    from transformers.integrations.peft import PeftAdapterMixin
+
+    assert PeftAdapterMixin._hf_peft_config_loaded is False
+    for method in (PeftAdapterMixin.load_adapter, PeftAdapterMixin.add_adapter):
+        assert "self._hf_peft_config_loaded = True" in inspect.getsource(method), method.__name__
+    model = ToyModel()
+    assert not compat.has_loaded_adapter(model)
+    model._hf_peft_config_loaded = True
+    assert compat.has_loaded_adapter(model)
+
+
+# ---- our trainers use only the public names ------------------------------------------------------------------
+
+
+def test_our_trainers_override_the_public_methods_not_trainers_private_hooks() -> None:
+    from rlhf_trainers import PPOTrainer, RewardTrainer, RLOOTrainer
+    from rlhf_trainers.onpolicy.trainer import OnPolicyTrainer
+
+    for trainer_class in (OnPolicyTrainer, PPOTrainer, RLOOTrainer, RewardTrainer):
+        for hook in ("_save", "_load_from_checkpoint", "_get_output_dir", "_save_checkpoint"):
+            assert getattr(trainer_class, hook) is getattr(TrainerHooksMixin, hook), (trainer_class, hook)
+    engine_writes = OnPolicyTrainer.write_model
+    assert engine_writes is not TrainerHooksMixin.write_model  # the engine writes policy + value model
+    assert (
+        OnPolicyTrainer.write_extra_checkpoint_state is not AtomicCheckpointMixin.write_extra_checkpoint_state
+    )
+
+
+def _private_names_of(*owners: type) -> set[str]:
+    names = set()
+    for owner in owners:
+        names |= {n for n in dir(owner) if n.startswith("_") and not n.startswith("__")}
+        try:
+            names |= set(re.findall(r"self\.(_[a-z][a-z0-9_]*)", inspect.getsource(owner)))
+        except (OSError, TypeError):
+            pass
+    return names
+
+
+def test_no_module_but_compat_touches_a_private_name_of_trainer_or_accelerate() -> None:
+    from accelerate.state import AcceleratorState
+
+    private = _private_names_of(Trainer, TrainingArguments, Accelerator, AcceleratorState, GradientState)
+    private -= _private_names_of(nn.Module, object)  # torch's and Python's own
+    package = os.path.dirname(compat.__file__)
+    found = []
+    for folder, _, files in os.walk(package):
+        for file in files:
+            path = os.path.join(folder, file)
+            if not file.endswith(".py") or os.path.samefile(path, compat.__file__):
+                continue
+            with open(path) as handle:
+                for number, line in enumerate(handle, 1):
+                    found += [
+                        f"{os.path.relpath(path, package)}:{number}: {name}"
+                        for name in re.findall(r"\.(_[a-z][a-z0-9_]*)\b", line)
+                        if name in private
+                    ]
+    assert not found, "private Trainer/accelerate names outside compat.py:\n" + "\n".join(found)

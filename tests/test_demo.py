@@ -191,3 +191,16 @@ def test_default_demo_raises_the_hidden_true_reward_with_ppo_and_rloo(kit, tmp_p
         mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
         assert mean(last, "true_reward") > mean(first, "true_reward") + 0.3, kind
         assert mean(last, "objective/kl") > mean(first, "objective/kl"), kind
+
+
+def test_the_demo_samples_through_the_engines_public_steps_only():
+    """The demo has no sampling code of its own: it reaches the engine only by public methods."""
+    import re
+    from pathlib import Path
+
+    import rlhf_trainers.demo as demo
+
+    for path in Path(demo.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not re.findall(r"trainer\._[a-z]\w*", text), path.name
+        assert ".generate(" not in text and "generation_backend" not in text, path.name

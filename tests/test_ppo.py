@@ -637,6 +637,45 @@ def test_eval_on_start_evaluates_before_the_first_update(kit, tmp_path):
     assert [h["step"] for h in evals] == [0, 1]  # before the first update, and Trainer's at the last step
 
 
+def test_epoch_strategies_act_at_the_end_of_each_pass_over_the_prompts(kit, tmp_path):
+    class EpochEvents(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            self.events.append(("begin", state.global_step))
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self.events.append(("end", state.global_step))
+
+    events = EpochEvents()
+    # 16 prompts, 8 per update: a pass is 2 updates; 5 updates end within the third pass.
+    trainer = _trainer(
+        kit,
+        tmp_path,
+        train_n=16,
+        max_steps=5,
+        eval_n=8,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        logging_strategy="epoch",
+        callbacks=[events],
+    )
+    assert trainer.updates_per_data_epoch == 2
+    trainer.train()
+    assert events.events == [("begin", 0), ("end", 2), ("begin", 2), ("end", 4), ("begin", 4), ("end", 5)]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-5",
+    ]
+    evals = [h for h in trainer.state.log_history if "eval_objective/scores" in h]
+    assert [(h["step"], h["epoch"]) for h in evals] == [(2, 1.0), (4, 2.0), (5, 2.5)]
+    logs = [h["step"] for h in trainer.state.log_history if "objective/kl" in h]
+    assert logs == [2, 4, 5]
+
+
 def test_evaluation_does_not_change_the_training_run(kit, tmp_path):
     plain = _trainer(kit, tmp_path / "a", max_steps=3, logging_steps=1, eval_n=16)
     plain.train()

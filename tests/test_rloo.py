@@ -387,18 +387,28 @@ def test_three_models_and_no_value_model(kit, tmp_path):
 # ---- leave-one-out --------------------------------------------------------------------------------
 
 
-def test_leave_one_out_equals_rloo_advantages_when_all_completions_are_valid():
+def test_masked_leave_one_out_equals_the_unmasked_one_when_all_completions_are_valid():
     torch.manual_seed(0)
     for k, B in [(2, 5), (4, 3), (8, 1)]:
         values = torch.randn(k * B)
         valid = torch.ones(k * B, dtype=torch.bool)
-        assert torch.allclose(leave_one_out(values, valid, k), F.rloo_advantages(values, k), atol=1e-6)
+        assert torch.allclose(
+            F.rloo_advantages(values, k, valid=valid), F.rloo_advantages(values, k), atol=1e-6
+        )
+
+
+def test_rloo_leave_one_out_keeps_its_argument_order_and_is_rloo_advantages():
+    rlhf_reward = torch.tensor([1.0, 2.0, float("nan"), 4.0, 5.0, 6.0])
+    valid = torch.tensor([True, True, False, True, True, True])
+    torch.testing.assert_close(
+        leave_one_out(rlhf_reward, valid, 2), F.rloo_advantages(rlhf_reward, 2, valid=valid), equal_nan=False
+    )
 
 
 def test_leave_one_out_reproduces_the_blog_example():
     # 3 prompts x 4 completions; completion j of prompt i at j * 3 + i.
     rlhf_reward = torch.tensor([1, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10]).float()
-    advantages = leave_one_out(rlhf_reward, torch.ones(12, dtype=torch.bool), 4)
+    advantages = F.rloo_advantages(rlhf_reward, 4, valid=torch.ones(12, dtype=torch.bool))
     assert advantages[0].item() == pytest.approx(1 - (2 + 5 + 8) / 3)
     assert advantages[7].item() == pytest.approx(6 - (3 + 2 + 9) / 3)
     # The blog's vectorised implementation.
@@ -411,7 +421,7 @@ def test_invalid_completions_get_zero_and_leave_the_others_baselines():
     valid = torch.ones(12, dtype=torch.bool)
     valid[11] = False  # prompt 2's fourth completion has no reward (its 100 must not count)
     valid[4] = valid[7] = valid[10] = False  # prompt 1 keeps only its first completion
-    adv = leave_one_out(rlhf_reward, valid, 4)
+    adv = F.rloo_advantages(rlhf_reward, 4, valid=valid)
     assert adv[11] == 0 and adv[4] == 0 and adv[7] == 0 and adv[10] == 0
     assert adv[1] == 0, "a prompt's only valid completion has no baseline"
     assert adv[2].item() == pytest.approx(3 - (4 + 7) / 2)
@@ -428,7 +438,7 @@ def test_invalid_rewards_in_a_run_get_zero_advantage_and_are_counted(kit, tmp_pa
     r, adv = trainer._last_rollout, trainer._last_advantages
     valid = r.valid_rows
     assert (adv.advantages[~valid] == 0).all()
-    assert torch.allclose(adv.advantages[:, 0], leave_one_out(adv.rlhf_reward, valid, 4))
+    assert torch.allclose(adv.advantages[:, 0], F.rloo_advantages(adv.rlhf_reward, 4, valid=valid))
     logged = next(h for h in trainer.state.log_history if "rollout/num_completions_kept" in h)
     assert logged["rollout/num_completions_kept"] == int(valid.sum()) == 8 - 3
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -11,10 +11,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from .arguments import DemoArguments
 from .progress import Stage, quiet, timed_stage
@@ -138,44 +135,23 @@ def _onpolicy_config(kind: str, task: Task, args: DemoArguments, out_dir: Path) 
 
 
 def _sample(trainer: Any, prompts: list[Any], seed: int) -> list[dict[str, Any]]:
-    """Completions of ``trainer``'s current policy for ``prompts`` (sampled as in training, from a fixed
-    seed without touching the global RNG), scored by every reward source of the trainer."""
+    """Completions of ``trainer``'s current policy for ``prompts``, sampled and scored by the engine's own
+    steps (as in evaluation) from a fixed seed without touching the global RNG."""
     import torch
     from datasets import Dataset
 
-    from ..models import embedding_rows
-
-    data = trainer._tokenize(
-        Dataset.from_dict({"prompt": prompts}),
-        trainer.processing_class,
-        trainer.args,
-        "samples",
-        embedding_rows(trainer.policy),
-    )
+    data = trainer.tokenized_prompts(Dataset.from_dict({"prompt": prompts}), "samples")
     batch = trainer.data_collator([data[i] for i in range(len(data))])
-    device = trainer.accelerator.device
-    query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        sampled, _ = trainer._generate(query, query_mask)
-    lengths = trainer._response_lengths(sampled)
-    keep = torch.arange(sampled.shape[1], device=sampled.device)[None, :] < lengths[:, None]
-    response = sampled.masked_fill(~keep, trainer.processing_class.pad_token_id)
-    completions = trainer.processing_class.batch_decode(response, skip_special_tokens=True)
-    _, per_source = trainer.reward_sources(
-        query_response_ids=torch.cat([query, response], dim=1),
-        prompts=list(batch["prompt"]),
-        completions=completions,
-        columns={},
-        reward_model_forward=trainer._reward_forward,
-    )
-    names = trainer.reward_sources.names
+        _, scores = trainer.sample_and_score(batch)
+    rm_name, true_name = trainer.reward_sources.names
     return [
         {
             "prompt": _as_text(prompts[i]),
-            "completion": completions[i],
-            "true_reward": float(per_source[names[1]][i]),
-            "rm_score": float(per_source[names[0]][i]),
+            "completion": scores.completions[i],
+            "true_reward": float(scores.per_source[true_name][i]),
+            "rm_score": float(scores.per_source[rm_name][i]),
         }
         for i in range(len(prompts))
     ]
@@ -354,6 +330,40 @@ def _run(args: DemoArguments) -> dict[str, Any]:
     if samples:
         print_samples(samples, width=60 if args.model == "kit" else 90)
     trainer_rows = summary_rows(results, by_name)
+    _print_summary(trainer_rows, stages, wall)
+    summary = {
+        "model": args.model,
+        "wall_seconds": wall,
+        "trainers": trainer_rows,
+        "stages": [asdict(s) for s in stages],
+        "sft": task.notes.get("sft"),
+        "reward_model": reward_info,
+        "ppo": {
+            k: v for k, v in results["ppo"].items() if k not in ("history", "samples_before", "samples_after")
+        },
+        "rloo": {
+            k: v
+            for k, v in results["rloo"].items()
+            if k not in ("history", "samples_before", "samples_after")
+        },
+        "samples": samples,
+        "args": asdict(args),
+        "notes": task.notes,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+    }
+    _write_report(out, models_dir, summary, results, samples, args)
+    return summary
+
+
+def _print_summary(trainer_rows: list[dict[str, Any]], stages: list[Stage], wall: float) -> None:
+    """The summary table of the trainers and the time of each stage."""
     print("\nSummary (held-out prompts; true reward: the hidden rule, never seen by the trainers):")
     print(
         format_table(
@@ -386,36 +396,20 @@ def _run(args: DemoArguments) -> dict[str, Any]:
         + f"; total {wall:.1f} s"
     )
 
-    summary = {
-        "model": args.model,
-        "wall_seconds": wall,
-        "trainers": trainer_rows,
-        "stages": [asdict(s) for s in stages],
-        "sft": task.notes.get("sft"),
-        "reward_model": reward_info,
-        "ppo": {
-            k: v for k, v in results["ppo"].items() if k not in ("history", "samples_before", "samples_after")
-        },
-        "rloo": {
-            k: v
-            for k, v in results["rloo"].items()
-            if k not in ("history", "samples_before", "samples_after")
-        },
-        "samples": samples,
-        "args": asdict(args),
-        "notes": task.notes,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-        },
-    }
+
+def _write_report(
+    out: Path,
+    models_dir: Path,
+    summary: dict[str, Any],
+    results: dict[str, dict[str, Any]],
+    samples: list[dict[str, Any]],
+    args: DemoArguments,
+) -> None:
+    """summary.json/.csv, stages.csv, the log histories, samples.csv and the learning curves in ``out``."""
+    trainer_rows, stages = summary["trainers"], summary["stages"]
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=json_default))
     write_csv(out / "summary.csv", trainer_rows)
-    write_csv(out / "stages.csv", [asdict(s) for s in stages])
+    write_csv(out / "stages.csv", stages)
     for kind in ("ppo", "rloo"):
         write_csv(out / f"{kind}_log_history.csv", results[kind]["history"])
     (out / "log_history.json").write_text(
@@ -430,4 +424,3 @@ def _run(args: DemoArguments) -> dict[str, Any]:
     )
     files = sorted(p.name for p in out.iterdir() if p.is_file())
     print(f"\nreport written to {out}/: {', '.join(files)} (trained models under {models_dir}/)")
-    return summary

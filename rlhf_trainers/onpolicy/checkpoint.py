@@ -20,13 +20,14 @@ VALUE_MODEL_DIR = "value_model"
 
 
 class CheckpointMixin:
-    """The engine's overrides of ``transformers.Trainer``'s model saving and loading (mixed into
-    :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer` before ``Trainer``)."""
+    """The engine's model saving and loading (mixed into
+    :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer` before
+    :class:`~rlhf_trainers.reliability.AtomicCheckpointMixin`, whose ``Trainer`` hooks call these)."""
 
-    def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def write_model(self, output_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the policy in a loadable form (``from_pretrained`` / PEFT adapter folder) into
-        ``output_dir``, the value model (if any) into ``output_dir/value_model``, and the tokenizer."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        ``output_dir``, the value model (if any) into ``output_dir/value_model``, and the tokenizer.
+        ``state_dict`` is the full state of the trained module when the caller gathered it (DeepSpeed)."""
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -46,7 +47,8 @@ class CheckpointMixin:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
-    def _save_extra_checkpoint_state(self, folder: str) -> None:
+    def write_extra_checkpoint_state(self, folder: str) -> None:
+        """The KL controller's state and the update count, in ``onpolicy_state.json``."""
         if self.args.should_save:
             path = os.path.join(folder, ONPOLICY_STATE_FILE)
             state = {"kl_controller": self.kl_ctl.state_dict(), "global_step": self.state.global_step}
@@ -66,14 +68,12 @@ class CheckpointMixin:
             state = json.load(fh)
         self.kl_ctl.load_state_dict(state["kl_controller"])
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Load the policy (full weights or PEFT adapter) and value model saved by :meth:`_save`."""
+    def load_weights_from_checkpoint(self, checkpoint: str, model: nn.Module | None = None) -> None:
+        """Load the policy (full weights or PEFT adapter) and value model saved by :meth:`write_model`."""
         unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
-        _load_pretrained_into(unwrapped.policy, resume_from_checkpoint)
+        _load_pretrained_into(unwrapped.policy, checkpoint)
         if unwrapped.value_model is not None:
-            _load_pretrained_into(
-                unwrapped.value_model, os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR)
-            )
+            _load_pretrained_into(unwrapped.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
 
 
 def _load_pretrained_into(model: nn.Module, folder: str) -> None:
@@ -93,7 +93,9 @@ def _load_pretrained_into(model: nn.Module, folder: str) -> None:
         raise ValueError(f"No model.safetensors in {folder} to resume from.")
     state = load_file(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    # save_pretrained leaves out the tied copies (e.g. an LM head tied to the input embeddings).
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    tied = set(expand(all_submodels=True)) if expand is not None else set()
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if missing or unexpected:
         raise ValueError(

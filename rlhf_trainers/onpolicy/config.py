@@ -26,7 +26,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     a *step* is one on-policy update (rollout + ``num_ppo_epochs`` x ``num_mini_batches`` optimizer
     steps), so ``logging_steps``, ``save_steps``, ``eval_steps`` and ``max_steps`` count updates, and the
     learning-rate scheduler anneals over updates (to zero at the last one with the default linear
-    schedule, as LHPD's schedule does).
+    schedule, as LHPD's schedule does). An *epoch* is a pass over the prompt dataset: the "epoch"
+    strategies (``eval_strategy``, ``save_strategy``, ``logging_strategy``) act after each pass, and at
+    the end of a run that stops within one.
 
     Batch sizes (per process, in completions): a rollout collects
     ``per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches`` completions; each

@@ -57,6 +57,15 @@ class EvaluationMixin:
             for row in table:
                 fh.write(json.dumps(row, default=str) + "\n")
 
+    def tokenized_prompts(self, dataset: datasets.Dataset, name: str = "eval") -> datasets.Dataset:
+        """``dataset`` of prompts (a "prompt" or "messages" column) tokenized as the training prompts are
+        (chat template, ``max_prompt_length``), ready for ``data_collator`` and :meth:`sample_and_score`;
+        one with ``input_ids`` and no "prompt" column is returned as it is. ``name`` keys its entry in
+        ``preprocessing_stats``."""
+        if "input_ids" in dataset.column_names and "prompt" not in dataset.column_names:
+            return dataset
+        return self._tokenize(dataset, self.processing_class, self.args, name, embedding_rows(self.policy))
+
     @torch.no_grad()
     def evaluate(
         self,
@@ -71,10 +80,8 @@ class EvaluationMixin:
         neither changes the training run nor varies between calls on the same weights."""
         if eval_dataset is None:
             eval_dataset = self.eval_dataset
-        elif "input_ids" not in eval_dataset.column_names or "prompt" in eval_dataset.column_names:
-            eval_dataset = self._tokenize(
-                eval_dataset, self.processing_class, self.args, metric_key_prefix, embedding_rows(self.policy)
-            )
+        else:
+            eval_dataset = self.tokenized_prompts(eval_dataset, metric_key_prefix)
         if eval_dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (here or at construction).")
         rank, world = self.accelerator.process_index, self.accelerator.num_processes

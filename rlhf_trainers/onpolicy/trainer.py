@@ -34,6 +34,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
+from .. import compat
 from .. import functional as F
 from ..cpu_speedups import apply_host_memory_settings
 from ..data import PromptCollator
@@ -74,7 +75,6 @@ class OnPolicyTrainer(
     """
 
     _config_class: type[OnPolicyConfig] = OnPolicyConfig
-    _tag_names: tuple[str, ...] = ("rlhf_trainers",)
     algorithm_name = "on-policy"
 
     def __init__(
@@ -440,7 +440,7 @@ class OnPolicyTrainer(
                         rollout.query.shape[1],
                     )
                     last = micro == accumulation_steps - 1
-                    self.accelerator.gradient_state._set_sync_gradients(last)
+                    compat.set_sync_gradients(self.accelerator, last)
                     sync = (
                         contextlib.nullcontext()
                         if last or is_deepspeed or self.accelerator.num_processes == 1
@@ -457,7 +457,7 @@ class OnPolicyTrainer(
                     for name, value in metrics.items():
                         stats[name].append(value.detach().float())
                 if args.max_grad_norm and args.max_grad_norm > 0:
-                    norm = self._clip_grad_norm(model)
+                    norm = compat.clip_grad_norm(self, model)
                     grad_norms.append(float(norm.item() if hasattr(norm, "item") else norm))
                     # The clipping norm covers the parameters the optimizer steps: when it is finite the
                     # non-finite-step guard need not scan every gradient again.
@@ -605,17 +605,18 @@ class OnPolicyTrainer(
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
             self._enable_gradient_checkpointing()
         if resume_from_checkpoint is not None and not self.is_deepspeed_enabled:
-            self._load_from_checkpoint(resume_from_checkpoint)
-        self._init_training_state(
+            compat.load_from_checkpoint(self, resume_from_checkpoint)
+        compat.init_training_state(
+            self,
             self.num_updates,
             self.updates_per_data_epoch,
             math.ceil(self.num_updates / self.updates_per_data_epoch),
             resume_from_checkpoint,
             trial,
         )
-        model, _ = self._prepare_for_training(self.num_updates, None, resume_from_checkpoint)
+        model, _ = compat.prepare_for_training(self, self.num_updates, None, resume_from_checkpoint)
         if resume_from_checkpoint is not None:
-            self._load_rng_state(resume_from_checkpoint)
+            compat.load_rng_state(self, resume_from_checkpoint)
             self._load_onpolicy_state(resume_from_checkpoint)
         else:
             # Per-process seeds: ranks sample different completions (seed + rank * 100003).
@@ -640,24 +641,9 @@ class OnPolicyTrainer(
         last_metrics: dict[str, float] = {}
         policy_losses: list[float] = []
         while self.state.global_step < self.num_updates and not self.control.should_training_stop:
-            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            lr = self._get_learning_rate()  # the rate this update trains with
-            metrics = self._update(model, self.state.global_step)
-            self.lr_scheduler.step()
-            self.state.global_step += 1
-            self.state.epoch = self.state.global_step / self.updates_per_data_epoch
-            metrics["lr"] = lr
-            metrics["episode"] = self.state.global_step * self.batch_size
-            metrics["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
-            for name, value in metrics.items():
-                self._log_buffer[name].append(value)
-            last_metrics = metrics
-            if "loss/policy_avg" in metrics:
-                policy_losses.append(metrics["loss/policy_avg"])
-            if sample_every and (self.state.global_step - 1) % sample_every == 0:
-                self._log_samples(self._last_rollout)
-            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            self._log_save_evaluate(model)
+            last_metrics = self._training_step(model, sample_every)
+            if "loss/policy_avg" in last_metrics:
+                policy_losses.append(last_metrics["loss/policy_avg"])
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         runtime = time.time() - start_time
@@ -671,6 +657,35 @@ class OnPolicyTrainer(
         training_loss = sum(policy_losses) / len(policy_losses) if policy_losses else 0.0
         return TrainOutput(self.state.global_step, training_loss, out)
 
+    def _training_step(self, model: nn.Module, sample_every: int) -> dict[str, float]:
+        """One update with the callbacks and the bookkeeping around it; returns its metrics.
+
+        Trainer's *epoch* is here a pass over the prompts (``updates_per_data_epoch`` updates): the
+        callbacks hear ``on_epoch_begin`` and ``on_epoch_end`` at its boundaries, so the "epoch"
+        strategies (``eval_strategy``, ``save_strategy``, ``logging_strategy``) act at the end of each
+        pass, and, as in ``Trainer``, at the end of a run that stops within one."""
+        args = self.args
+        if self.state.global_step % self.updates_per_data_epoch == 0:
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+        lr = compat.get_learning_rate(self)  # the rate this update trains with
+        metrics = self._update(model, self.state.global_step)
+        self.lr_scheduler.step()
+        self.state.global_step += 1
+        self.state.epoch = self.state.global_step / self.updates_per_data_epoch
+        metrics["lr"] = lr
+        metrics["episode"] = self.state.global_step * self.batch_size
+        metrics["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
+        for name, value in metrics.items():
+            self._log_buffer[name].append(value)
+        if sample_every and (self.state.global_step - 1) % sample_every == 0:
+            self._log_samples(self._last_rollout)
+        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        if self.state.global_step % self.updates_per_data_epoch == 0 or self.control.should_training_stop:
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        self._log_save_evaluate(model)
+        return metrics
+
     def _log_save_evaluate(self, model: nn.Module) -> None:
         if self.control.should_log and self._log_buffer:
             logs = {name: sum(v) / len(v) for name, v in self._log_buffer.items()}
@@ -682,7 +697,7 @@ class OnPolicyTrainer(
         if self.control.should_evaluate:
             self.evaluate()
         if self.control.should_save:
-            self._save_checkpoint(model, trial=None)
+            compat.save_checkpoint(self, model)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _enable_gradient_checkpointing(self) -> None:

@@ -90,7 +90,6 @@ class PPOTrainer(OnPolicyTrainer):
     """
 
     _config_class = PPOConfig
-    _tag_names = ("rlhf_trainers", "ppo")
     algorithm_name = "PPO"
     completions_per_prompt = 1
     args: PPOConfig

@@ -117,33 +117,9 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         normalization_prompts: Sequence[Prompt] | datasets.Dataset | None = None,
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        if args is None:
-            args = RewardConfig(output_dir="reward-model")
-        elif not isinstance(args, RewardConfig):
-            raise TypeError(
-                f"args must be a RewardConfig, got {type(args).__name__}; build one with "
-                "RewardConfig(output_dir=..., **fields) (it accepts every TrainingArguments field)."
-            )
-        if processing_class is None:
-            if not isinstance(model, (str, os.PathLike)):
-                raise ValueError(
-                    "processing_class (the tokenizer) is required when model is an instance; pass "
-                    "processing_class=AutoTokenizer.from_pretrained(<model path>)."
-                )
-            from transformers import AutoTokenizer
-
-            processing_class = AutoTokenizer.from_pretrained(model)
-        if not isinstance(processing_class, PreTrainedTokenizerBase):
-            raise TypeError(
-                f"processing_class must be a tokenizer (PreTrainedTokenizerBase), got {type(processing_class).__name__}."
-            )
-        if train_dataset is None and eval_dataset is None:
-            raise ValueError("RewardTrainer needs a train_dataset (or at least an eval_dataset to evaluate).")
-        if peft_config is not None and has_peft_adapter(model):
-            raise ValueError(
-                "model already has a PEFT adapter and peft_config was given too; pass the base model with "
-                "peft_config, or the PeftModel without it."
-            )
+        args, processing_class = _checked_arguments(
+            model, args, processing_class, train_dataset, eval_dataset, peft_config
+        )
         if args.reward_normalization != "no" and (
             normalization_policy is None or normalization_prompts is None
         ):
@@ -162,20 +138,10 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         if peft_config is not None:
             model = _wrap_peft(model, peft_config)
 
-        # Tokenize once, on the main process first so the cache is shared (datasets fingerprints).
         self.preprocessing_stats: dict[str, PreferenceTokenizationStats] = {}
-        from accelerate import PartialState
-
-        with PartialState().main_process_first():
-            if train_dataset is not None:
-                train_dataset = self._tokenize(train_dataset, processing_class, args, "train", model)
-            if isinstance(eval_dataset, dict):
-                eval_dataset = {
-                    name: self._tokenize(ds, processing_class, args, f"eval_{name}", model)
-                    for name, ds in eval_dataset.items()
-                }
-            elif eval_dataset is not None:
-                eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", model)
+        train_dataset, eval_dataset = self._tokenize_datasets(
+            train_dataset, eval_dataset, processing_class, args, model
+        )
 
         if data_collator is None:
             data_collator = PreferenceCollator(processing_class.pad_token_id)
@@ -204,6 +170,30 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         self.add_callback(self._reliability)
 
     # ---- data ---------------------------------------------------------------------------------
+
+    def _tokenize_datasets(
+        self,
+        train_dataset: datasets.Dataset | None,
+        eval_dataset: datasets.Dataset | dict[str, datasets.Dataset] | None,
+        tokenizer: PreTrainedTokenizerBase,
+        args: RewardConfig,
+        model: torch.nn.Module,
+    ) -> tuple[Any, Any]:
+        """The train and eval pairs tokenized (each eval dataset of a dict by its name)."""
+        # Tokenize once, on the main process first so the cache is shared (datasets fingerprints).
+        from accelerate import PartialState
+
+        with PartialState().main_process_first():
+            if train_dataset is not None:
+                train_dataset = self._tokenize(train_dataset, tokenizer, args, "train", model)
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {
+                    name: self._tokenize(ds, tokenizer, args, f"eval_{name}", model)
+                    for name, ds in eval_dataset.items()
+                }
+            elif eval_dataset is not None:
+                eval_dataset = self._tokenize(eval_dataset, tokenizer, args, "eval", model)
+        return train_dataset, eval_dataset
 
     def _tokenize(
         self,
@@ -410,6 +400,46 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         super().write_model(output_dir, state_dict)
         if self.args.should_save:
             write_reward_normalization(self.model, output_dir)
+
+
+def _checked_arguments(
+    model: str | os.PathLike[str] | PreTrainedModel,
+    args: RewardConfig | None,
+    processing_class: PreTrainedTokenizerBase | None,
+    train_dataset: datasets.Dataset | None,
+    eval_dataset: datasets.Dataset | dict[str, datasets.Dataset] | None,
+    peft_config: PeftConfig | None,
+) -> tuple[RewardConfig, PreTrainedTokenizerBase]:
+    """``args`` (or the default config) and the tokenizer (loaded from ``model`` when not given), after
+    refusing what RewardTrainer cannot work with."""
+    if args is None:
+        args = RewardConfig(output_dir="reward-model")
+    elif not isinstance(args, RewardConfig):
+        raise TypeError(
+            f"args must be a RewardConfig, got {type(args).__name__}; build one with "
+            "RewardConfig(output_dir=..., **fields) (it accepts every TrainingArguments field)."
+        )
+    if processing_class is None:
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(
+                "processing_class (the tokenizer) is required when model is an instance; pass "
+                "processing_class=AutoTokenizer.from_pretrained(<model path>)."
+            )
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(model)
+    if not isinstance(processing_class, PreTrainedTokenizerBase):
+        raise TypeError(
+            f"processing_class must be a tokenizer (PreTrainedTokenizerBase), got {type(processing_class).__name__}."
+        )
+    if train_dataset is None and eval_dataset is None:
+        raise ValueError("RewardTrainer needs a train_dataset (or at least an eval_dataset to evaluate).")
+    if peft_config is not None and has_peft_adapter(model):
+        raise ValueError(
+            "model already has a PEFT adapter and peft_config was given too; pass the base model with "
+            "peft_config, or the PeftModel without it."
+        )
+    return args, processing_class
 
 
 def _wrap_peft(model: PreTrainedModel, peft_config: PeftConfig) -> Any:

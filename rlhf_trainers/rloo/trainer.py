@@ -41,25 +41,10 @@ SIMPLE_QUERY_CHAT_TEMPLATE = "{% for message in messages %}{{ ' ' + message['con
 
 
 def leave_one_out(values: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """Leave-one-out advantages over the k completions of each prompt, ignoring invalid completions.
-
-    Args:
-        values: (k * B,) rewards, completion j of prompt i at ``j * B + i``.
-        valid: (k * B,) bool; an invalid completion (no reward) neither gets an advantage nor counts in
-            the others' baselines.
-        k: completions per prompt.
-
-    Returns:
-        (k * B,) ``value - mean(other valid values of the prompt)``; 0 for invalid completions and for a
-        completion that is its prompt's only valid one. Equals :func:`rlhf_trainers.functional.rloo_advantages`
-        when every completion is valid.
-    """
-    v = values.reshape(k, -1).double()
-    m = valid.reshape(k, -1).to(v.dtype)
-    others = m.sum(0, keepdim=True) - m
-    baseline = ((v * m).sum(0, keepdim=True) - v * m) / others.clamp_min(1)
-    adv = torch.where((others > 0) & (m > 0), v - baseline, torch.zeros_like(v))
-    return adv.reshape(-1).to(values.dtype)
+    """``F.rloo_advantages(values, k, valid=valid)`` under the name and argument order it had before
+    there was one leave-one-out in the package: (k * B,) rewards, completion j of prompt i at
+    ``j * B + i``; an invalid completion gets 0 and is left out of the others' baselines."""
+    return F.rloo_advantages(values, k, valid=valid)
 
 
 class RLOOTrainer(OnPolicyTrainer):
@@ -84,7 +69,6 @@ class RLOOTrainer(OnPolicyTrainer):
     """
 
     _config_class = RLOOConfig
-    _tag_names = ("rlhf_trainers", "rloo")
     algorithm_name = "RLOO"
     args: RLOOConfig
 
@@ -154,11 +138,11 @@ class RLOOTrainer(OnPolicyTrainer):
         if args.token_level_kl:
             to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
             rlhf_reward = to_go[:, 0]
-            baseline = rlhf_reward - leave_one_out(rlhf_reward, valid, k)
+            baseline = rlhf_reward - F.rloo_advantages(rlhf_reward, k, valid=valid)
             advantages = torch.where(mask, to_go - baseline[:, None], torch.zeros_like(to_go))
         else:
             rlhf_reward = rollout.scores - self.kl_ctl.value * rollout.kl.sum(1)
-            advantages = leave_one_out(rlhf_reward, valid, k)[:, None]
+            advantages = F.rloo_advantages(rlhf_reward, k, valid=valid)[:, None]
         if args.normalize_advantage:
             advantage_mask = mask if args.token_level_kl else valid[:, None]
             advantages = F.whiten(advantages, advantage_mask, shift_mean=True, all_reduce=self._all_reduce)
