@@ -353,7 +353,7 @@ UNMATCHED = [
     "logits.",
     ONEDNN_NOTE,
     "Host memory: ours sets glibc's malloc to keep freed memory in the process (`reuse_host_memory=True`, "
-    "the default on CPU); TRL runs with glibc's defaults. TRL users can get the same effect from the "
+    "opt-in, which the benchmark sets); TRL runs with glibc's defaults. TRL users can get the same effect from the "
     "environment (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647`).",
     "TRL's PPO computes the full-vocabulary logits of every position (prompt included) in its reference and "
     "training forward passes; ours and TRL's RLOO only those of the response positions.",
