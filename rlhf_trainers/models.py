@@ -4,7 +4,7 @@ Reward (and, later, value) models are one-label sequence-classification models: 
 head maps the hidden state of the last real token to a scalar (N-implementation-details: the reward
 model scores query + response and the reward is read at its last token). This module turns what a
 user has (a path, a Hub id, a model instance, a causal-LM checkpoint) into such a model, initialises a
-freshly created head the way the seed does, turns dropout off, and carries the reward-normalization
+freshly created head the way LHPD does, turns dropout off, and carries the reward-normalization
 gain and bias in the model's config.
 """
 
@@ -147,7 +147,7 @@ def find_score_head(model: nn.Module) -> tuple[str, nn.Linear]:
 
 
 def init_reward_head(model: nn.Module, generator: torch.Generator | None = None) -> None:
-    """Initialise the scalar head as the seed does: weight ~ N(0, 1/sqrt(d_model + 1)), bias 0.
+    """Initialise the scalar head as LHPD does: weight ~ N(0, 1/sqrt(d_model + 1)), bias 0.
 
     N-implementation-details, "Reward head initialization": the std 1/sqrt(d_model + 1) keeps the
     initial rewards of order one whatever the width of the model.
@@ -247,7 +247,7 @@ def load_reward_model(
 
     A causal-LM checkpoint (its config lists only ``...ForCausalLM`` architectures) is loaded into the
     matching ``...ForSequenceClassification`` class: the transformer weights are reused and the scalar
-    head is new. A new head is initialised as the seed does (:func:`init_reward_head`) when
+    head is new. A new head is initialised as LHPD does (:func:`init_reward_head`) when
     ``init_head`` is true; a head that was loaded from the checkpoint is never touched. A
     ``reward_normalization.json`` beside the weights (written by :class:`RewardTrainer`) is read back
     into the config.
@@ -345,7 +345,7 @@ def align_pad_token(model: Any, tokenizer: PreTrainedTokenizerBase, what: str = 
     """
     if tokenizer.pad_token_id is None:
         raise ValueError(
-            f"The tokenizer of the {what} has no pad token. Add a dedicated one (the seed pads with a token "
+            f"The tokenizer of the {what} has no pad token. Add a dedicated one (LHPD pads with a token "
             "distinct from EOS): tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) followed by "
             "model.resize_token_embeddings(len(tokenizer)). Setting tokenizer.pad_token = tokenizer.eos_token "
             "also works for reward modeling, but then the score is read at the last token before the final EOS."

@@ -1,7 +1,7 @@
 """Optimizers.
 
 :class:`TFStyleAdam` is Adam with TensorFlow's placement of epsilon, the optimizer OpenAI's
-lm-human-preferences used. The seed "The N Implementation Details of RLHF with PPO" (section
+lm-human-preferences used. LHPD ("The N Implementation Details of RLHF with PPO", section
 "PyTorch Adam optimizer numerical issues w.r.t RLHF") derives the difference:
 
 - PyTorch:    theta -= lr * m_hat / (sqrt(v_hat) + eps)
@@ -9,7 +9,7 @@ lm-human-preferences used. The seed "The N Implementation Details of RLHF with P
 - TensorFlow: theta -= lr_t * m / (sqrt(v) + eps_hat),  lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)
 
 With the same ``eps``, PyTorch's effective normaliser ``eps * sqrt(1 - b2^t)`` is much smaller than
-``eps`` in the first steps, so PyTorch Adam makes more aggressive early updates; the seed measured
+``eps`` in the first steps, so PyTorch Adam makes more aggressive early updates; LHPD measured
 6x larger approximate KL and 4.4x more clipping in the first PPO epochs (worse for larger models).
 """
 

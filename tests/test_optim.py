@@ -1,4 +1,4 @@
-"""TFStyleAdam against the seed's TensorFlow pseudocode and against PyTorch's Adam.
+"""TFStyleAdam against LHPD's TensorFlow pseudocode and against PyTorch's Adam.
 
 Seed: "The N Implementation Details of RLHF with PPO", section "PyTorch Adam optimizer numerical
 issues w.r.t RLHF".
@@ -16,7 +16,7 @@ from rlhf_trainers.optim import TFStyleAdam
 
 
 def _tf_adam_reference(param: torch.Tensor, grads: list[torch.Tensor], lr, beta1, beta2, eps):
-    """The seed's "tensorflow adam implementation" pseudocode, step by step, in float64."""
+    """LHPD's "tensorflow adam implementation" pseudocode, step by step, in float64."""
     p = param.clone().double()
     exp_avg = torch.zeros_like(p)
     exp_avg_sq = torch.zeros_like(p)
@@ -49,7 +49,7 @@ def test_matches_seed_tensorflow_pseudocode():
 
 
 def test_equals_pytorch_adam_with_step_dependent_eps():
-    """The seed: the two are equivalent when eps_hat = eps * sqrt(1 - beta2^t)."""
+    """LHPD: the two are equivalent when eps_hat = eps * sqrt(1 - beta2^t)."""
     torch.manual_seed(1)
     init = torch.randn(11, dtype=torch.float64)
     grads = [torch.randn(11, dtype=torch.float64) * 1e-4 for _ in range(8)]
@@ -66,7 +66,7 @@ def test_equals_pytorch_adam_with_step_dependent_eps():
 
 
 def test_pytorch_adam_is_more_aggressive_early_with_the_same_eps():
-    """The seed's finding: with the same eps, PyTorch's first updates are larger.
+    """LHPD's finding: with the same eps, PyTorch's first updates are larger.
 
     At step 1 with gradient g and |g| << eps, PyTorch moves lr * g / (|g| + eps) while TF moves
     lr * sqrt(1 - b2) / (1 - b1) * (1 - b1) g / (sqrt(1 - b2) |g| + eps) = lr * sqrt(1 - b2) g / (...).

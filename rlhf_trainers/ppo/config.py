@@ -14,7 +14,7 @@ VALUE_MODEL_INITS = ("policy", "reward_model")
 class PPOConfig(OnPolicyConfig):
     """Configuration of :class:`~rlhf_trainers.PPOTrainer`: every :class:`OnPolicyConfig` (and
     ``TrainingArguments``) field, plus the value model and GAE. Defaults follow TRL's PPOConfig where TRL
-    has the field, and the seeds elsewhere (gamma 1, lam 0.95, value clip 0.2)."""
+    has the field, and the reference implementations elsewhere (gamma 1, lam 0.95, value clip 0.2)."""
 
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the total loss."})
     cliprange_value: float | None = field(
@@ -23,7 +23,7 @@ class PPOConfig(OnPolicyConfig):
             "help": "Clip of the value update around the rollout values (seed detail). None: unclipped."
         },
     )
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor (the seed uses 1)."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor (LHPD uses 1)."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     lam_value: float | None = field(
         default=None,
@@ -37,7 +37,7 @@ class PPOConfig(OnPolicyConfig):
     )
     whiten_advantages: bool = field(
         default=True,
-        metadata={"help": "Whiten the advantages over the rollout of all processes (the seed does)."},
+        metadata={"help": "Whiten the advantages over the rollout of all processes (LHPD does)."},
     )
     critic_warmup_steps: int = field(
         default=0,
@@ -49,7 +49,7 @@ class PPOConfig(OnPolicyConfig):
     value_model_init: str = field(
         default="policy",
         metadata={
-            "help": "Where a value model that is not given starts: 'policy' (the seed: the policy's weights with "
+            "help": "Where a value model that is not given starts: 'policy' (LHPD: the policy's weights with "
             "a zero-initialised scalar head) or 'reward_model' (TRL: a copy of the reward model)."
         },
     )
