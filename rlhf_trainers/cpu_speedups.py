@@ -23,9 +23,7 @@ decoding step for small models: the offline kit's 2-layer Llama samples 32 token
 on 2 CPU cores; for SmolLM2-135M on CPU the matmuls dominate and both take the same time. Logits agree with
 the forward's to float32 rounding (~1e-6 relative). Anything else (other architectures, a subclass, forward
 hooks on the skipped modules, accelerate's device-map hooks, DeepSpeed's partitioned weights, attention
-dropout in training mode, a torch without grouped-query SDPA, several processes) takes the model's
-``forward``. Several processes: 2-process CPU runs sometimes aborted at exit with the lean steps
-("terminate called without an active exception"), for a reason not found yet.
+dropout in training mode, a torch without grouped-query SDPA) takes the model's ``forward``.
 
 **oneDNN linear** (``onednn_linear``): oneDNN for the token-by-token sampling steps of the trainers'
 models on CPU.
@@ -257,13 +255,6 @@ def _plain_llama(model: nn.Module) -> nn.Module | None:
         return None
     if not _sdpa_has_gqa():
         return None
-    # Several processes: with the lean steps, 2-process CPU runs (gloo, DDP or ZeRO-3) sometimes aborted
-    # at exit ("terminate called without an active exception": 2 of the 25 multi-process tests, in each of
-    # two runs; none in two runs without the lean steps). The cause is not found yet, so multi-process
-    # runs keep the forward.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            return None
     from torch.nn.modules import module as module_state
 
     if any(
@@ -293,8 +284,7 @@ def _plain_llama(model: nn.Module) -> nn.Module | None:
 
 def _sdpa_has_gqa() -> bool:
     """Whether this torch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5), from the
-    version: no probing call (a grouped-query SDPA call on CPU was the one new kernel in the multi-process
-    runs that aborted at exit)."""
+    version, without a probing call."""
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 5)
 

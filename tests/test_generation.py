@@ -18,7 +18,7 @@ from rlhf_trainers.generation import (
     TransformersGenerate,
     make_generation_backend,
 )
-from rlhf_trainers.onpolicy.trainer import policy_logits
+from rlhf_trainers.onpolicy.forward import policy_logits
 
 BACKENDS = {"builtin": BuiltinSampling, "transformers": TransformersGenerate}
 
@@ -146,7 +146,7 @@ def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path):
 def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeypatch, loop):
     from test_rloo import _trainer
 
-    import rlhf_trainers.onpolicy.trainer as engine
+    import rlhf_trainers.onpolicy.generation_mixin as engine
 
     built = []
     real = engine.make_generation_backend

@@ -117,9 +117,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "building, cache objects, output classes), which is most of a decoding step for small models "
             "(the offline kit's 2-layer Llama: 32 tokens in 33 instead of 59 ms on 2 CPU cores; no change "
             "for SmolLM2-135M on CPU, where the matmuls dominate). Other architectures, subclasses, models "
-            "with forward hooks or a replaced forward, device maps, DeepSpeed-partitioned weights and runs of "
-            "several processes (where 2-process CPU runs sometimes aborted at exit with it, cause not yet "
-            "found) use the forward at every step. False: the forward at every step."
+            "with forward hooks or a replaced forward, device maps and DeepSpeed-partitioned weights use the "
+            "forward at every step. False: the forward at every step."
         },
     )
     rollout_logprobs: str = field(

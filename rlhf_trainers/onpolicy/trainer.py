@@ -38,6 +38,7 @@ from .. import compat
 from .. import functional as F
 from ..cpu_speedups import apply_host_memory_settings
 from ..data import PromptCollator
+from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpointMixin, reliability_callback
@@ -158,6 +159,7 @@ class OnPolicyTrainer(
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        tear_down_process_group_at_exit()
         self._check_batch_sizes()
         self._prepare_frozen_models()
         self._resolve_fused_head()

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase, Trainer
 from ..compat import EvaluateBeforeTrainMixin, prepare_inputs
 from ..cpu_speedups import apply_host_memory_settings
 from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
+from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import (
     align_pad_token,
     check_fits_context,
@@ -157,6 +158,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
             optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
+        tear_down_process_group_at_exit()
         # The loss below is a mean over the pairs of a micro-batch: the Trainer must divide it by the
         # gradient-accumulation steps (it does so only when the model takes no loss kwargs).
         self.model_accepts_loss_kwargs = False
