@@ -73,6 +73,29 @@ def has_peft_adapter(model: Any) -> bool:
     return _is_peft_model(model) or has_loaded_adapter(model)
 
 
+def tokenizer_of(
+    model: Any, processing_class: PreTrainedTokenizerBase | None, what: str
+) -> PreTrainedTokenizerBase:
+    """``processing_class``, or the tokenizer saved with ``model`` when it is a path; refused when it is
+    missing for a model instance, or not a tokenizer. ``what`` names it in the error."""
+    from transformers import PreTrainedTokenizerBase
+
+    if processing_class is None:
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(
+                f"processing_class ({what}) is required when model is an instance; pass "
+                "processing_class=AutoTokenizer.from_pretrained(<model path>)."
+            )
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(model)
+    if not isinstance(processing_class, PreTrainedTokenizerBase):
+        raise TypeError(
+            f"processing_class must be a tokenizer (PreTrainedTokenizerBase), got {type(processing_class).__name__}."
+        )
+    return processing_class
+
+
 def embedding_rows(model: Any) -> int:
     """Rows of the model's input embedding table: the token ids it can read are ``0..rows - 1``."""
     embeddings = _base(model).get_input_embeddings()

@@ -53,3 +53,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def kit() -> OfflineKit:
     """The offline kit from the default cache folder (built on first use, 10-15 s on 2 CPU cores)."""
     return get_kit()
+
+
+@pytest.fixture(scope="module")
+def policy(kit):
+    """The kit's SFT Llama policy in eval mode (the sampling and generation tests)."""
+    return kit.load_model("llama-sft").eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(kit):
+    """(tokenizer, ids, mask): a left-padded batch of 8 kit prompts with rows of different lengths."""
+    tok = kit.load_tokenizer()
+    texts = list(kit.prompt_dataset("train", n=8)["prompt"])
+    texts[0] = texts[0] + " " + texts[1]  # rows of different lengths: left padding in the others
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"] == 0).any()
+    return tok, batch["input_ids"], batch["attention_mask"]

@@ -23,21 +23,6 @@ from rlhf_trainers.onpolicy.forward import policy_logits
 BACKENDS = {"builtin": BuiltinSampling, "transformers": TransformersGenerate}
 
 
-@pytest.fixture(scope="module")
-def policy(kit):
-    return kit.load_model("llama-sft").eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(kit):
-    tok = kit.load_tokenizer()
-    texts = list(kit.prompt_dataset("train", n=8)["prompt"])
-    texts[0] = texts[0] + " " + texts[1]  # rows of different lengths: left padding in the others
-    batch = tok(texts, return_tensors="pt", padding=True)
-    assert (batch["attention_mask"] == 0).any()
-    return tok, batch["input_ids"], batch["attention_mask"]
-
-
 def _settings(tok, n=12, temperature=0.7, stop=True, logprobs=False) -> SamplingSettings:
     return SamplingSettings(
         max_new_tokens=n,

@@ -28,21 +28,6 @@ def sample_completions(model, ids, mask, *, lean_decoding=True, **settings):
     return backend.sample(ids, mask, SamplingSettings(**settings))
 
 
-@pytest.fixture(scope="module")
-def policy(kit):
-    return kit.load_model("llama-sft").eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(kit):
-    tok = kit.load_tokenizer()
-    texts = list(kit.prompt_dataset("train", n=8)["prompt"])
-    texts[0] = texts[0] + " " + texts[1]  # rows of different lengths: left padding in the others
-    batch = tok(texts, return_tensors="pt", padding=True)
-    assert (batch["attention_mask"] == 0).any()
-    return tok, batch["input_ids"], batch["attention_mask"]
-
-
 def _hf(policy, ids, mask, n, temperature, pad, eos):
     config = GenerationConfig(
         max_new_tokens=n,

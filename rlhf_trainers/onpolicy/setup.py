@@ -24,6 +24,7 @@ from ..models import (
     has_peft_adapter,
     load_reward_model,
     require_peft,
+    tokenizer_of,
 )
 from .config import OnPolicyConfig
 from .forward import fused_head_matches
@@ -41,19 +42,7 @@ def policy_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """The policy's tokenizer: ``processing_class``, or loaded from the model's path; it must have a pad
     token (prompts are left-padded into batches)."""
-    if processing_class is None:
-        if not isinstance(model, (str, os.PathLike)):
-            raise ValueError(
-                "processing_class (the policy's tokenizer) is required when model is an instance; pass "
-                "processing_class=AutoTokenizer.from_pretrained(<model path>)."
-            )
-        from transformers import AutoTokenizer
-
-        processing_class = AutoTokenizer.from_pretrained(model)
-    if not isinstance(processing_class, PreTrainedTokenizerBase):
-        raise TypeError(
-            f"processing_class must be a tokenizer (PreTrainedTokenizerBase), got {type(processing_class).__name__}."
-        )
+    processing_class = tokenizer_of(model, processing_class, "the policy's tokenizer")
     if processing_class.pad_token_id is None:
         raise ValueError(
             "The policy tokenizer has no pad token; prompts are left-padded into batches. Add a dedicated one "

@@ -28,6 +28,7 @@ from ..models import (
     load_reward_model,
     require_peft,
     set_reward_normalization,
+    tokenizer_of,
     write_reward_normalization,
 )
 from ..reliability import AtomicCheckpointMixin, reliability_callback
@@ -421,19 +422,7 @@ def _checked_arguments(
             f"args must be a RewardConfig, got {type(args).__name__}; build one with "
             "RewardConfig(output_dir=..., **fields) (it accepts every TrainingArguments field)."
         )
-    if processing_class is None:
-        if not isinstance(model, (str, os.PathLike)):
-            raise ValueError(
-                "processing_class (the tokenizer) is required when model is an instance; pass "
-                "processing_class=AutoTokenizer.from_pretrained(<model path>)."
-            )
-        from transformers import AutoTokenizer
-
-        processing_class = AutoTokenizer.from_pretrained(model)
-    if not isinstance(processing_class, PreTrainedTokenizerBase):
-        raise TypeError(
-            f"processing_class must be a tokenizer (PreTrainedTokenizerBase), got {type(processing_class).__name__}."
-        )
+    processing_class = tokenizer_of(model, processing_class, "the tokenizer")
     if train_dataset is None and eval_dataset is None:
         raise ValueError("RewardTrainer needs a train_dataset (or at least an eval_dataset to evaluate).")
     if peft_config is not None and has_peft_adapter(model):
