@@ -338,7 +338,8 @@ def table(report: dict[str, Any]) -> list[str]:
 
 ONEDNN_NOTE = (
     "Matmul library: ours runs the linear layers of its sampling loop's decoding steps (one position per "
-    "row) through oneDNN (`onednn_linear=True`, the default on CPU for models with a linear layer of >= "
+    "row) through oneDNN where `onednn_linear=True` (the default on CPU until issue #20, opt-in since: "
+    "slower than MKL on the Intel Xeon that re-measured it; it applies to models with a linear layer of >= "
     "65,536 weights: the 135M size, not the tiny one); everything else on both sides runs through "
     "PyTorch's default float32 GEMM (MKL). Same float32 arithmetic, another summation order."
 )

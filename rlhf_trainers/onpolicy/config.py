@@ -115,8 +115,10 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "directly with a KV cache preallocated for the response, instead of its forward: the same "
             "arithmetic (logits equal to float32 rounding) without the per-step work around it (mask "
             "building, cache objects, output classes), which is most of a decoding step for small models "
-            "(the offline kit's 2-layer Llama: 32 tokens in 33 instead of 59 ms on 2 CPU cores; no change "
-            "for SmolLM2-135M on CPU, where the matmuls dominate). Other architectures, subclasses, models "
+            "(the offline kit's 2-layer Llama: 32 tokens in 33 instead of 59 ms on 2 CPU cores; re-measured "
+            "after issue #20 with benchmarks/vs_trl.py --ours-config: a tiny RLOO update's generation 0.04 "
+            "instead of 0.065 s, the update 0.10 instead of 0.13 s; no change for SmolLM2-135M on CPU, where "
+            "the matmuls dominate). Other architectures, subclasses, models "
             "with forward hooks or a replaced forward, device maps and DeepSpeed-partitioned weights use the "
             "forward at every step. False: the forward at every step."
         },
@@ -253,13 +255,15 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     onednn_linear: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "On CPU, run the linear layers of the sampling loop's decoding steps (one position per "
+            "help": "Opt-in CPU speed switch, for CPUs where it measures faster. On CPU, run the linear layers of the sampling loop's decoding steps (one position per "
             "row) through oneDNN (rlhf_trainers.cpu_speedups.OneDNNLinear) instead of the BLAS PyTorch uses by "
             "default (MKL on x86): the same IEEE float32 arithmetic, results equal up to summation-order "
             "rounding, no weight copied. On the 2-core AMD EPYC of our benchmarks a 32-token rollout of "
-            "SmolLM2-135M takes 2.5 instead of 3.6 s (the lm head of a step: 8 instead of 37 ms). Not used "
+            "SmolLM2-135M took 2.5 instead of 3.6 s (the lm head of a step: 8 instead of 37 ms); on the 2-core Intel "
+            "Xeon that re-measured it after issue #20 (benchmarks/vs_trl.py --impls ours --ours-config, 135M RLOO) "
+            "generation took 3.9 instead of 3.2 s per update, so it is off by default. Not used "
             "for the training and scoring passes: oneDNN keeps generated code for every matrix shape "
             "(~0.5 MiB each), and their row counts vary with every micro-batch. Applied only where it pays "
             "and is safe: CPU, float32 weights, no bf16/fp16 autocast, no DeepSpeed, a torch build with "
