@@ -19,9 +19,7 @@ class PPOConfig(OnPolicyConfig):
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the total loss."})
     cliprange_value: float | None = field(
         default=0.2,
-        metadata={
-            "help": "Clip of the value update around the rollout values (seed detail). None: unclipped."
-        },
+        metadata={"help": "Clip of the value update around the rollout values (LHPD). None: unclipped."},
     )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor (LHPD uses 1)."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
