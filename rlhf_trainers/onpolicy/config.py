@@ -10,11 +10,11 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..functional import KL_ESTIMATORS, LOSS_AGG_MODES
+from ..generation.factory import GENERATION_LOOPS
 from ..reliability import ReliabilityArguments
 from ..reward_sources import REWARD_ERROR_MODES
 
 STOP_TOKENS = ("eos",)
-GENERATION_LOOPS = ("builtin", "transformers")
 ROLLOUT_LOGPROBS = ("auto", "forward", "generation")
 
 
