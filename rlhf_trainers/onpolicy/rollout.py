@@ -25,7 +25,7 @@ from .forward import pad_columns, response_logprobs, sequence_inputs, token_valu
 
 
 @dataclass
-class Samples:
+class SampledResponses:
     """Responses sampled for a batch of prompts (step 2), cut after the stop token."""
 
     query: torch.Tensor
@@ -51,7 +51,7 @@ class Samples:
 
 @dataclass
 class Scores:
-    """What the reward sources say about :class:`Samples` (step 3)."""
+    """What the reward sources say about :class:`SampledResponses` (step 3)."""
 
     completions: list[str]
     """N decoded responses (special tokens skipped), what the reward functions scored."""
@@ -197,7 +197,7 @@ class RolloutSteps:
         copies: int = 1,
         with_logprobs: bool = False,
         timings: dict[str, float] | None = None,
-    ) -> Samples:
+    ) -> SampledResponses:
         """Step 2: ``copies`` responses to each prompt of a collated ``batch`` (the batch repeated
         ``copies`` times, completion j of prompt i at row ``j * B + i``), generated in chunks of
         ``local_rollout_forward_batch_size`` rows and cut after the stop token. With ``with_logprobs``
@@ -225,7 +225,7 @@ class RolloutSteps:
                 parts["generation_logprobs"].append(extras["logprobs"].float())
                 parts["generation_entropy"].append(extras["entropy"].float())
         joined = {name: torch.cat(values) for name, values in parts.items()}
-        return Samples(
+        return SampledResponses(
             query=query,
             query_mask=query_mask.bool(),
             prompts=list(prompts) * copies,
@@ -235,7 +235,7 @@ class RolloutSteps:
 
     # ---- 3. score -----------------------------------------------------------------------------
 
-    def score_samples(self, samples: Samples, timings: dict[str, float] | None = None) -> Scores:
+    def score_samples(self, samples: SampledResponses, timings: dict[str, float] | None = None) -> Scores:
         """Step 3: score the decoded responses with every reward source (the reward model reads the
         policy's ids when it shares the tokenizer, else the text), and note which found a stop token."""
         began = time.perf_counter()
@@ -258,7 +258,7 @@ class RolloutSteps:
             timings["timing/reward"] += time.perf_counter() - began
         return Scores(completions, total.to(device), per_source, found_stop, errors)
 
-    def sample_and_score(self, batch: dict[str, Any]) -> tuple[Samples, Scores]:
+    def sample_and_score(self, batch: dict[str, Any]) -> tuple[SampledResponses, Scores]:
         """Steps 2 and 3 for one collated prompt batch, one response each (what evaluation runs)."""
         samples = self.sample_responses(batch)
         return samples, self.score_samples(samples)
@@ -306,7 +306,9 @@ class RolloutSteps:
             forward, ids, mask, positions, response, options, fused_head=self._fused_ref, with_entropy=False
         )[0]
 
-    def rollout_logprobs(self, samples: Samples, timings: dict[str, float] | None = None) -> ForwardPasses:
+    def rollout_logprobs(
+        self, samples: SampledResponses, timings: dict[str, float] | None = None
+    ) -> ForwardPasses:
         """Step 4: per chunk of ``local_rollout_forward_batch_size`` rows, the policy's log-probs and
         entropy (a training-mode forward pass, or the sampling loop's own where
         :attr:`logprobs_from_generation`), the reference's log-probs and the value model's values.
@@ -361,7 +363,7 @@ class RolloutSteps:
 
     # ---- 5. per-token rewards and KL ----------------------------------------------------------
 
-    def assemble_rollout(self, samples: Samples, scores: Scores, passes: ForwardPasses) -> Rollout:
+    def assemble_rollout(self, samples: SampledResponses, scores: Scores, passes: ForwardPasses) -> Rollout:
         """Step 5a: the per-token KL, the shaped scores (:meth:`_shape_scores`), and the rows whose reward
         is not finite (a function returned None / NaN) masked out of the update."""
         kl = (
