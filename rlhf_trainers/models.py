@@ -269,8 +269,9 @@ def load_reward_model(
     """A one-label sequence-classification model from a path, a Hub id or an instance.
 
     A causal-LM checkpoint (its config lists only ``...ForCausalLM`` architectures) is loaded into the
-    matching ``...ForSequenceClassification`` class: the transformer weights are reused and the scalar
-    head is new. A new head is initialised as LHPD does (:func:`init_reward_head`) when
+    matching ``...ForSequenceClassification`` class, or, for an architecture transformers has no such
+    class for, into a :class:`~rlhf_trainers.score_head.ScoreHeadModel` (its base model and a scalar
+    head): the transformer weights are reused and the scalar head is new. A new head is initialised as LHPD does (:func:`init_reward_head`) when
     ``init_head`` is true; a head that was loaded from the checkpoint is never touched. A
     ``reward_normalization.json`` beside the weights (written by :class:`RewardTrainer`) is read back
     into the config.
@@ -300,6 +301,11 @@ def load_reward_model(
             "to replace its head, or train from the causal-LM checkpoint instead."
         )
     kwargs.setdefault("num_labels", 1)
+    from .score_head import has_sequence_classification_class
+
+    if not has_sequence_classification_class(config):
+        loaded, head_is_new = _load_score_head_model(model, config, kwargs)
+        return _finish_reward_model(model, loaded, head_is_new, init_head=init_head, seed=seed)
     from transformers.utils import logging as hf_logging
 
     # transformers prints a load report listing the new head as MISSING: expected here, and said
@@ -318,6 +324,34 @@ def load_reward_model(
     missing = list(info.get("missing_keys", []))
     mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", [])]
     head_is_new = any(k.split(".")[0] == head_name for k in missing + mismatched)
+    return _finish_reward_model(model, loaded, head_is_new, init_head=init_head, seed=seed)
+
+
+def _load_score_head_model(
+    path: str | os.PathLike[str], config: Any, kwargs: dict[str, Any]
+) -> tuple[PreTrainedModel, bool]:
+    """``(model, head_is_new)`` for an architecture without a sequence-classification class in
+    transformers: a folder saved from a :class:`~rlhf_trainers.score_head.ScoreHeadModel` loads as one; a
+    causal-LM checkpoint gives its backbone (whatever the attribute it lives under) a new scalar head."""
+    from transformers import AutoModelForCausalLM
+
+    from .score_head import SCORE_HEAD_ARCHITECTURE, ScoreHeadModel, score_head_model_from_backbone
+
+    kwargs = {k: v for k, v in kwargs.items() if k != "num_labels"}
+    if SCORE_HEAD_ARCHITECTURE in (getattr(config, "architectures", None) or []):
+        return ScoreHeadModel.from_pretrained(path, config=config, **kwargs), False
+    causal_lm = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    config = causal_lm.config
+    config.architectures = None
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+    return score_head_model_from_backbone(backbone, config), True
+
+
+def _finish_reward_model(
+    model: str | os.PathLike[str], loaded: PreTrainedModel, head_is_new: bool, *, init_head: bool, seed: int
+) -> tuple[PreTrainedModel, bool]:
+    """Initialise a new head (logged) and read the stored reward normalization back."""
+    head_name, _ = find_score_head(loaded)
     if head_is_new:
         logger.info(
             "%s: new scalar head '%s' on the %s backbone (%s)",

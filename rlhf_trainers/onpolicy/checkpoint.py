@@ -4,6 +4,7 @@ model in ``value_model/``, and the KL controller's state, inside the checkpoints
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -91,13 +92,18 @@ def _load_pretrained_into(model: nn.Module, folder: str) -> None:
     path = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(path):
         raise ValueError(f"No model.safetensors in {folder} to resume from.")
-    state = load_file(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # save_pretrained leaves out the tied copies (e.g. an LM head tied to the input embeddings).
-    expand = getattr(model, "get_expanded_tied_weights_keys", None)
-    tied = set(expand(all_submodels=True)) if expand is not None else set()
-    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    # Through from_pretrained, not the raw file: transformers renames some weights when it saves and
+    # back when it loads (GPT-NeoX's lm_head is stored as embed_out), and it restores tied copies.
+    loaded, info = type(model).from_pretrained(
+        folder,
+        config=copy.deepcopy(model.config),
+        dtype=next(model.parameters()).dtype,
+        output_loading_info=True,
+    )
+    missing = list(info.get("missing_keys", []))
+    unexpected = list(info.get("unexpected_keys", []))
     if missing or unexpected:
         raise ValueError(
             f"Checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}."
         )
+    model.load_state_dict(loaded.state_dict())

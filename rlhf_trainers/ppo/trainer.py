@@ -41,25 +41,34 @@ def zero_value_head(model: torch.nn.Module) -> None:
 
 
 def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
-    """A one-label sequence-classification model with the policy's transformer weights and a zero head."""
+    """A one-label sequence-classification model with the policy's transformer weights and a zero head.
+
+    The architecture's ``...ForSequenceClassification`` class where transformers has one, otherwise a
+    :class:`~rlhf_trainers.score_head.ScoreHeadModel` (the architecture's base model plus a scalar head).
+    """
     from transformers import AutoModelForSequenceClassification
 
-    source = policy
+    from ..score_head import ScoreHeadModel, has_sequence_classification_class
+
+    source = _base(policy)
     if _is_peft_model(policy):
         source = copy.deepcopy(policy).merge_and_unload()
     config = copy.deepcopy(source.config)
     config.num_labels = 1
     config.architectures = None
-    value = AutoModelForSequenceClassification.from_config(config)
-    prefix = value.base_model_prefix
-    backbone = getattr(_base(source), prefix, None)
+    if has_sequence_classification_class(config):
+        value = AutoModelForSequenceClassification.from_config(config)
+    else:
+        value = ScoreHeadModel(config)
+    backbone = getattr(source, source.base_model_prefix, None)
     if backbone is None:
         raise ValueError(
-            f"Cannot build a value model from {type(source).__name__}: it has no '{prefix}' backbone. Pass "
-            "value_model= (a one-label sequence-classification model) or value_model_init='reward_model'."
+            f"Cannot build a value model from {type(source).__name__}: it has no '{source.base_model_prefix}' "
+            "backbone. Pass value_model= (a one-label sequence-classification model) or "
+            "value_model_init='reward_model'."
         )
     # Whole tensors on both sides: under ZeRO-3 (zero3_init_flag) both models are partitioned.
-    load_full_state_dict(getattr(value, prefix), full_state_dict(backbone))
+    load_full_state_dict(getattr(value, value.base_model_prefix), full_state_dict(backbone))
     value.to(next(source.parameters()).dtype)
     zero_value_head(value)
     if getattr(source.config, "pad_token_id", None) is not None:
