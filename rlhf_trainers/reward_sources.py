@@ -78,6 +78,32 @@ def sample_completions(
     loop), so nothing comes from the model's own ``generation_config`` either; ZeRO-3 partitioned weights
     are gathered for the call.
     """
+    texts = render_prompts(prompts, tokenizer)
+    prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    responses = sample_responses(
+        policy,
+        tokenizer,
+        prompt_ids,
+        response_length=response_length,
+        temperature=temperature,
+        batch_size=batch_size,
+    )
+    return tokenizer.batch_decode(responses, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    response_length: int,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+) -> list[list[int]]:
+    """One response per prompt (token ids), sampled as :func:`sample_completions` samples: the prompts
+    left-padded, the full distribution at ``temperature``, at most ``response_length`` tokens. A response
+    ends at its first EOS, which it keeps, or at the length limit; no padding is returned."""
     backend = make_generation_backend(policy, context=lambda: gathered(policy))
     settings = SamplingSettings(
         max_new_tokens=response_length,
@@ -85,21 +111,28 @@ def sample_completions(
         pad_token_id=tokenizer.pad_token_id,
         stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
     )
-    texts = render_prompts(prompts, tokenizer)
     device = next(policy.parameters()).device
-    completions: list[str] = []
-    for start in range(0, len(texts), batch_size):
-        encoded = tokenizer(
-            texts[start : start + batch_size],
-            return_tensors="pt",
-            padding=True,
-            padding_side="left",
-            add_special_tokens=False,
-        ).to(device)
-        tokens = backend.sample(encoded["input_ids"], encoded["attention_mask"], settings).tokens
-        response = F.truncate_response(tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        completions += tokenizer.batch_decode(response, skip_special_tokens=True)
-    return completions
+    pad = tokenizer.pad_token_id
+    responses: list[list[int]] = []
+    for start in range(0, len(prompt_ids), batch_size):
+        batch = prompt_ids[start : start + batch_size]
+        width = max(len(ids) for ids in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        tokens = backend.sample(ids.to(device), mask.to(device), settings).tokens
+        if tokenizer.eos_token_id is not None:
+            tokens = F.truncate_response(tokens, tokenizer.eos_token_id, pad)
+        # The lengths come from the padding the truncation wrote after EOS (the pad id may also be a
+        # token the model sampled only if pad == EOS, which the truncation has already cut at).
+        for row in tokens.cpu().tolist():
+            end = len(row)
+            while end and row[end - 1] == pad:
+                end -= 1
+            responses.append(row[:end])
+    return responses
 
 
 @torch.no_grad()

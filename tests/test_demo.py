@@ -34,7 +34,8 @@ def test_defaults_depend_on_the_model_and_explicit_flags_win():
     assert (kit.model, kit.sft_steps, kit.ppo_updates, kit.rloo_updates) == ("kit", 300, 60, 60)
     assert (kit.learning_rate, kit.response_length, kit.eval_prompts) == (2e-3, 12, 96)
     smol = DemoArguments(model="smollm2")
-    assert (smol.sft_steps, smol.ppo_updates, smol.rollout_size, smol.learning_rate) == (0, 12, 16, 1e-3)
+    assert (smol.sft_steps, smol.label_prompts, smol.reward_pairs, smol.temperature) == (0, 160, None, 0.7)
+    assert (kit.reward_pairs, kit.label_prompts, kit.temperature) == (2048, None, 1.0)
     quick = DemoArguments(quick=True, ppo_updates=7)
     assert (quick.ppo_updates, quick.rloo_updates, quick.sft_steps) == (7, 4, 60)
 
@@ -50,6 +51,10 @@ def test_defaults_depend_on_the_model_and_explicit_flags_win():
         ({"sft_steps": -1}, "sft_steps=-1"),
         ({"model": "smollm2", "sft_steps": 10}, "already"),
         ({"learning_rate": 0.0}, "learning_rate=0.0"),
+        ({"temperature": 0.0}, "temperature=0.0"),
+        ({"label_prompts": 8}, "label_prompts=8 with --model kit.*drop the flag"),
+        ({"model": "smollm2", "reward_pairs": 64}, "reward_pairs=64 with --model smollm2.*label_prompts"),
+        ({"model": "smollm2", "label_prompts": 0}, "label_prompts=0"),
     ],
 )
 def test_bad_flags_are_rejected_with_the_value_and_the_fix(kwargs, match):
@@ -74,31 +79,29 @@ def test_smollm2_without_its_package_fails_before_any_work(tmp_path, monkeypatch
 # ---- the SmolLM2 task's hidden reward and preferences -------------------------------------------------
 
 
-def test_smollm2_true_reward_counts_sentiment_words_per_word():
+def test_smollm2_true_reward_counts_net_sentiment_words_up_to_four():
     from rlhf_trainers.demo import smollm2_true_reward
 
-    assert smollm2_true_reward(
-        ["p"] * 4,
-        ["A wonderful, sunny day.", "It was terrible and boring.", "", "<|im_end|>Great great!"],
-    ) == [0.5, -0.4, 0.0, 1.0]  # 4 words +2; 5 words -2; none; +2 of 2
+    completions = [
+        "A wonderful, sunny day.",  # +2
+        "It was terrible and boring.",  # -2
+        "",
+        "<|im_end|>Great great!",  # +2: special tokens are not words, a repeated word counts twice
+        "A good, happy, lovely, nice and bright day.",  # +5, clipped to the full reward
+        "Wonderful!",  # +1: a bare word is not the best answer
+        "Bad. Awful, sad, ugly, cold and dull.",  # -6, clipped
+        [{"role": "assistant", "content": "A calm, warm evening."}],  # chat message: +2
+    ]
+    assert smollm2_true_reward(["p"] * len(completions), completions) == [
+        0.5, -0.5, 0.0, 0.5, 1.0, 0.25, -1.0, 0.5
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         smollm2_true_reward(["a", "b"], ["c"])
 
 
-def test_smollm2_preferences_rank_by_the_hidden_rule_on_disjoint_topics(kit):
-    from rlhf_trainers.demo.task import smollm2_preferences, smollm2_prompts, smollm2_true_reward
+def test_smollm2_prompts_split_topics_between_train_and_test():
+    from rlhf_trainers.demo.task import smollm2_prompts
 
-    tokenizer = kit.load_tokenizer()  # any tokenizer with a chat template renders the prompts
-    train, test = smollm2_preferences("train", 64, tokenizer), smollm2_preferences("test", 16, tokenizer)
-    ended = 0
-    for data in (train, test):
-        for chosen, rejected in zip(data["chosen"], data["rejected"], strict=True):
-            prompt, answer_c = chosen.split("<|assistant|>")
-            assert rejected.startswith(prompt + "<|assistant|>")
-            answer_r = rejected.split("<|assistant|>")[1]
-            assert smollm2_true_reward(None, [answer_c]) > smollm2_true_reward(None, [answer_r])
-            ended += answer_c.endswith(tokenizer.eos_token) + answer_r.endswith(tokenizer.eos_token)
-    assert 0.3 < ended / (2 * (64 + 16)) < 0.7  # about half end with EOS, the others are cut off
     train_prompts = {p[-1]["content"] for p in smollm2_prompts("train")["prompt"]}
     test_prompts = {p[-1]["content"] for p in smollm2_prompts("test")["prompt"]}
     assert len(train_prompts) == 160 and len(test_prompts) == 40 and not train_prompts & test_prompts

@@ -25,23 +25,25 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "response_length": 12,
         "eval_prompts": 96,
         "sample_rows": 6,
+        "temperature": 1.0,
     },
     "smollm2": {
         "sft_steps": 0,
-        "reward_pairs": 256,
-        "ppo_updates": 12,
-        "rloo_updates": 12,
+        "label_prompts": 64,
+        "ppo_updates": 16,
+        "rloo_updates": 16,
         "rollout_size": 16,
-        "learning_rate": 1e-3,
-        "response_length": 16,
+        "learning_rate": 5e-4,
+        "response_length": 24,
         "eval_prompts": 16,
         "sample_rows": 6,
+        "temperature": 0.7,
     },
 }
 # --quick: a smoke run of the same pipeline (every stage, report and plot), not a demonstration.
 _QUICK: dict[str, dict[str, Any]] = {
     "kit": {"sft_steps": 60, "reward_pairs": 256, "ppo_updates": 4, "rloo_updates": 4, "eval_prompts": 32},
-    "smollm2": {"reward_pairs": 16, "ppo_updates": 2, "rloo_updates": 2, "eval_prompts": 4, "sample_rows": 2},
+    "smollm2": {"label_prompts": 8, "ppo_updates": 2, "rloo_updates": 2, "eval_prompts": 4, "sample_rows": 2},
 }
 
 
@@ -74,7 +76,16 @@ class DemoArguments:
     reward_pairs: int | None = field(
         default=None,
         metadata={
-            "help": "Preference pairs the reward model trains on (one epoch). Default: 2048 (kit), 256 (smollm2)."
+            "help": "kit: synthetic preference pairs the reward model trains on (one epoch). Default: 2048. "
+            "(smollm2 labels its own samples instead: see --label_prompts.)"
+        },
+    )
+    label_prompts: int | None = field(
+        default=None,
+        metadata={
+            "help": "smollm2: train prompts to label, as the reference implementation collects its labels: "
+            "4 completions of each sampled from the policy itself, the best by the hidden rule preferred to "
+            "each lower one (the reward model's pairs). Default: 160 (every train prompt). (kit: not used.)"
         },
     )
     ppo_updates: int | None = field(
@@ -97,6 +108,14 @@ class DemoArguments:
         metadata={"help": "Policy learning rate of PPO and RLOO. Default: 2e-3 (kit), 1e-3 (smollm2, LoRA)."},
     )
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (beta) of PPO and RLOO."})
+    temperature: float | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling temperature of the labels, PPO, RLOO and the evaluations (log-probs are of the "
+            "same tempered distribution). Default: 1.0 (kit), 0.7 (smollm2: the reference implementation's "
+            "policy temperature; at 1.0 a 135M model rambles)."
+        },
+    )
     response_length: int | None = field(
         default=None, metadata={"help": "Maximum new tokens per completion. Default: 12 (kit), 16 (smollm2)."}
     )
@@ -146,9 +165,20 @@ class DemoArguments:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        for name in ("reward_pairs", "ppo_updates", "rloo_updates", "rollout_size", "response_length"):
+        unused = "label_prompts" if self.model == "kit" else "reward_pairs"
+        if getattr(self, unused) is not None:
+            raise ValueError(
+                f"{unused}={getattr(self, unused)} with --model {self.model}: not used by that model "
+                "(kit trains on --reward_pairs synthetic pairs; smollm2 labels its own samples of "
+                "--label_prompts prompts); drop the flag."
+            )
+        sizes = ["ppo_updates", "rloo_updates", "rollout_size", "response_length"]
+        sizes.append("reward_pairs" if self.model == "kit" else "label_prompts")
+        for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1.")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: must be > 0.")
         if self.sft_steps < 0:
             raise ValueError(
                 f"sft_steps={self.sft_steps}: must be >= 0 (0 uses the kit's prebuilt SFT model)."

@@ -50,8 +50,11 @@ def collect_sample_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, An
     return rows
 
 
-def print_samples(rows: list[dict[str, Any]], width: int) -> None:
-    print("\nSample completions on held-out prompts (sampled at temperature 1; true reward / RM score):")
+def print_samples(rows: list[dict[str, Any]], width: int, temperature: float) -> None:
+    print(
+        f"\nSample completions on held-out prompts (sampled at temperature {temperature:g}; true reward / RM "
+        "score):"
+    )
     for row in rows:
         print(f"  {_clip(row['prompt'], 100)!r}")
         for key, label in (("before", "before"), ("ppo", "PPO"), ("rloo", "RLOO")):

@@ -27,6 +27,52 @@ from .report import (
 )
 from .task import Task, check_smollm2, kit_task, seed_everything, smollm2_task
 
+# ---- labels on the policy's own samples (smollm2) --------------------------------------------------
+
+
+def _label_policy_samples(task: Task, args: DemoArguments) -> dict[str, Any]:
+    """The reference implementation's labelling, with the hidden rule as the labeller: 4 completions of
+    each label prompt sampled from the starting policy, the best preferred to each lower one. Sets
+    ``task.preferences_train`` / ``preferences_test`` (token ids, as the trainers' rollouts hold them);
+    the train samples are kept for the reward normalization. Returns the counts for the report."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .preferences import on_policy_preferences
+
+    assert task.label_prompts is not None and task.label_test_prompts is not None
+    seed_everything(args.seed)
+    policy = AutoModelForCausalLM.from_pretrained(task.sft_dir).eval()
+    info: dict[str, Any] = {"samples_per_prompt": 4, "temperature": args.temperature}
+    for split, prompts in (("train", task.label_prompts), ("test", task.label_test_prompts)):
+        with torch.no_grad():
+            pairs, groups, counts = on_policy_preferences(
+                policy,
+                task.tokenizer,
+                list(prompts["prompt"]),
+                task.true_reward,
+                samples_per_prompt=4,
+                response_length=args.response_length,
+                temperature=args.temperature,
+                batch_size=64,
+                swaps=task.label_swaps,
+                seed=args.seed,
+            )
+        rewards = [r for g in groups for r in task.true_reward(None, g.texts)]
+        info[split] = {**counts, "mean_true_reward": sum(rewards) / len(rewards)}
+        if split == "train":
+            task.preferences_train, task.label_samples = pairs, groups
+        else:
+            task.preferences_test = pairs
+        print(
+            f"    {split}: {counts['groups']} prompts x 4 samples (mean true reward "
+            f"{info[split]['mean_true_reward']:+.3f}); {counts['groups_tied_at_top']} with a tie for the "
+            f"best; {counts['pairs']} pairs ({counts.get('best_of_n_pairs', counts['pairs'])} best of 4, "
+            f"{counts.get('word_swap_pairs', 0)} one-word swaps)"
+        )
+    return info
+
+
 # ---- reward model ----------------------------------------------------------------------------------
 
 
@@ -41,11 +87,12 @@ def _train_reward_model(task: Task, args: DemoArguments, out_dir: Path) -> dict[
         peft_config = LoraConfig(
             r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="SEQ_CLS"
         )
+    kit = task.name == "kit"
     config = RewardConfig(
         output_dir=str(out_dir),
-        per_device_train_batch_size=32 if task.name == "kit" else 8,
-        per_device_eval_batch_size=64,
-        learning_rate=3e-3 if task.name == "kit" else 2e-3,
+        per_device_train_batch_size=32 if kit else 8,
+        per_device_eval_batch_size=64 if kit else 16,
+        learning_rate=3e-3 if kit else 2e-3,
         num_train_epochs=1,
         max_length=task.reward_max_length,
         logging_steps=5,
@@ -55,11 +102,9 @@ def _train_reward_model(task: Task, args: DemoArguments, out_dir: Path) -> dict[
         use_cpu=True,
         seed=args.seed,
         disable_tqdm=True,
-        # The pairs of the SmolLM2 task are full texts that end as rollouts end (EOS or cut off): no EOS
-        # appended, and no normalization, whose samples are scored as complete chat turns (an EOS-ended
-        # turn), unlike the rollouts cut at response_length.
-        add_eos=task.name == "kit",
-        reward_normalization="after" if task.name == "kit" else "no",
+        # The SmolLM2 pairs are token ids of the policy's own samples, ending as rollouts end (EOS or cut
+        # at response_length); they are normalized below on those samples, as the trainers will score them.
+        reward_normalization="after" if kit else "no",
         normalization_num_samples=256,
         normalization_response_length=args.response_length,
         normalization_batch_size=64,
@@ -71,13 +116,15 @@ def _train_reward_model(task: Task, args: DemoArguments, out_dir: Path) -> dict[
         eval_dataset=task.preferences_test,
         processing_class=task.tokenizer,
         peft_config=peft_config,
-        normalization_policy=task.sft_dir if task.name == "kit" else None,
+        normalization_policy=task.sft_dir if kit else None,
         normalization_tokenizer=task.tokenizer,
-        normalization_prompts=task.train_prompts if task.name == "kit" else None,
+        normalization_prompts=task.train_prompts if kit else None,
     )
     quiet(trainer, "reward model", {"loss": "loss", "accuracy": "acc"})
     before = trainer.evaluate()
     trainer.train()
+    if task.label_samples is not None:
+        _normalize_on_samples(trainer, task)
     after = trainer.evaluate()
     trainer.save_model(str(out_dir))
     task.tokenizer.save_pretrained(str(out_dir))
@@ -85,8 +132,8 @@ def _train_reward_model(task: Task, args: DemoArguments, out_dir: Path) -> dict[
 
     gain, bias = get_reward_normalization(trainer.accelerator.unwrap_model(trainer.model))
     print(
-        f"    held-out preference accuracy {before['eval_accuracy']:.3f} -> {after['eval_accuracy']:.3f}"
-        + (f"; normalization on SFT samples: gain {gain:.3f}, bias {bias:+.3f}" if task.name == "kit" else "")
+        f"    held-out preference accuracy {before['eval_accuracy']:.3f} -> {after['eval_accuracy']:.3f}; "
+        f"normalization on the starting policy's samples: gain {gain:.3f}, bias {bias:+.3f}"
     )
     return {
         "pairs": len(task.preferences_train),
@@ -97,6 +144,26 @@ def _train_reward_model(task: Task, args: DemoArguments, out_dir: Path) -> dict[
         "normalization_gain": gain,
         "normalization_bias": bias,
     }
+
+
+def _normalize_on_samples(trainer: Any, task: Task, num_samples: int = 128) -> None:
+    """The reference implementation's reward normalization "after", on samples of the starting policy
+    that are already there: the labelled samples (token ids, scored exactly as the trainers score their
+    rollouts), the first ``num_samples`` of them, so that they get mean 0 and std 1."""
+    from .. import functional as F
+    from ..models import set_reward_normalization
+    from ..reward_sources import score_ids
+    from .preferences import right_padded, sequences
+
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    rows = sequences(task.label_samples)[:num_samples]
+    pad = task.tokenizer.pad_token_id
+    raw = score_ids(model, right_padded(rows, pad), pad, normalize=False, batch_size=32)
+    model.train(was_training)
+    gain, bias = F.normalize_rewards_gain_bias(raw)
+    set_reward_normalization(model, gain, bias)
 
 
 # ---- PPO and RLOO ----------------------------------------------------------------------------------
@@ -112,10 +179,12 @@ def _onpolicy_config(kind: str, task: Task, args: DemoArguments, out_dir: Path) 
         # rollout_size completions per update in 2 mini-batches of one micro-batch each.
         "per_device_train_batch_size": args.rollout_size // 2,
         "num_mini_batches": 2,
-        "num_ppo_epochs": 2,
+        # SmolLM2: one pass over each rollout; a second epoch doubled the update time and, with a LoRA
+        # learning rate that moves the policy at all in 16 updates, overshot (clip fraction above 0.5).
+        "num_ppo_epochs": 2 if task.name == "kit" else 1,
         "learning_rate": args.learning_rate,
         "response_length": args.response_length,
-        "temperature": 1.0,
+        "temperature": args.temperature,
         "kl_coef": args.kl_coef,
         # The reward model steers; the hidden true reward is only logged (objective/scores/<name>).
         "reward_weights": [1.0, 0.0],
@@ -295,7 +364,8 @@ def _run(args: DemoArguments) -> dict[str, Any]:
     out = Path(args.output_dir)
     models_dir = out / "models"
     out.mkdir(parents=True, exist_ok=True)
-    total = 5 if (args.model == "kit" and args.sft_steps) else 4
+    # kit: kit, [SFT], reward model, PPO, RLOO; smollm2: model, labels, reward model, PPO, RLOO.
+    total = 4 if (args.model == "kit" and not args.sft_steps) else 5
     stages: list[Stage] = []
     start = time.perf_counter()
     policy = "SFT of the kit's tiny Llama" if args.model == "kit" else "SmolLM2-135M-Instruct (already SFT)"
@@ -304,6 +374,16 @@ def _run(args: DemoArguments) -> dict[str, Any]:
         f"RLOOTrainer against it, the hidden true reward evaluated before and after. Report: {out}/"
     )
     task = (kit_task if args.model == "kit" else smollm2_task)(args, models_dir, stages, total)
+    label_info = None
+    if task.preferences_train is None:
+        with timed_stage(
+            stages,
+            len(stages) + 1,
+            total,
+            f"labels: 4 samples of each of {len(task.label_prompts)} train prompts from the policy, the best "
+            "by the hidden rule preferred to each lower one",
+        ):
+            label_info = _label_policy_samples(task, args)
     number = len(stages) + 1
     with timed_stage(
         stages,
@@ -328,7 +408,7 @@ def _run(args: DemoArguments) -> dict[str, Any]:
 
     samples = collect_sample_rows(results) if sample_prompts else []
     if samples:
-        print_samples(samples, width=60 if args.model == "kit" else 90)
+        print_samples(samples, width=60 if args.model == "kit" else 90, temperature=args.temperature)
     trainer_rows = summary_rows(results, by_name)
     _print_summary(trainer_rows, stages, wall)
     summary = {
@@ -337,6 +417,7 @@ def _run(args: DemoArguments) -> dict[str, Any]:
         "trainers": trainer_rows,
         "stages": [asdict(s) for s in stages],
         "sft": task.notes.get("sft"),
+        "labels": label_info,
         "reward_model": reward_info,
         "ppo": {
             k: v for k, v in results["ppo"].items() if k not in ("history", "samples_before", "samples_after")

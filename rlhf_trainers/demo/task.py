@@ -28,10 +28,16 @@ class Task:
     sft_dir: str  # the policy every stage starts from (a from_pretrained folder)
     train_prompts: datasets.Dataset
     eval_prompts: datasets.Dataset
-    preferences_train: datasets.Dataset
-    preferences_test: datasets.Dataset
+    # The reward model's pairs: given (kit), or None when the pipeline labels the policy's own samples of
+    # label_prompts / label_test_prompts (smollm2, see demo/preferences.py).
+    preferences_train: datasets.Dataset | None
+    preferences_test: datasets.Dataset | None
     true_reward: Callable[..., list[float]]
     reward_max_length: int
+    label_prompts: datasets.Dataset | None = None
+    label_test_prompts: datasets.Dataset | None = None
+    label_samples: list[Any] | None = None  # the labelled train samples (preferences.SampleGroup)
+    label_swaps: dict[str, Any] | None = None  # word swaps of the labelling (preferences.word_swap_pairs)
     lora: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -176,11 +182,13 @@ SMOLLM2_NEGATIVE = tuple(
     chaos disaster frustrating depressing ruined dreary hazard crisis damage fear afraid panic pain
     hurt sick dismal tedious exhausting unbearable""".split()
 )
-_SMOLLM2_NEUTRAL = tuple(
-    "big small new old long short loud quiet plain busy full simple wet dry tall wide slow fast grey "
-    "green".split()
-)
-_SMOLLM2_ADVERBS = ("very", "so", "really", "quite", "rather", "pretty", "truly", "fairly")
+_SMOLLM2_NEUTRAL = tuple("big small new old long short plain busy full simple wide tall slow fast".split())
+# The word swaps of the labelling (demo/preferences.py: word_swap_pairs): a positive word becomes a
+# negative or a neutral one, a negative word a positive one.
+SMOLLM2_SWAPS = {
+    **{word: SMOLLM2_NEGATIVE + _SMOLLM2_NEUTRAL for word in SMOLLM2_POSITIVE},
+    **{word: SMOLLM2_POSITIVE for word in SMOLLM2_NEGATIVE},
+}
 _SMOLLM2_TOPICS = (
     "the weather",
     "my morning",
@@ -242,23 +250,26 @@ _SMOLLM2_REQUESTS = (
 # A short system message: without one, SmolLM2's chat template adds a 20-token default; every prompt
 # token costs forward passes on CPU.
 _SMOLLM2_SYSTEM = {"role": "system", "content": "Answer in one short sentence."}
-_SMOLLM2_ANSWERS = (
-    "{Topic} is {adj}.",
-    "{Topic} is {adv} {adj}.",
-    "{Topic} feels {adj} and {adj}.",
-    "I think {topic} is {adv} {adj} but {adj}.",
-    "{Topic} was {adj}, {adj} and {adj}.",
-    "It is a {adj} time, {adv} {adj}.",
-)
 _SMOLLM2_TEST_TOPICS = 10  # the last 10 topics are held out (eval prompts and test preferences)
+
+
+SMOLLM2_WORDS_FOR_FULL_REWARD = 4
+"""Net positive words (positive minus negative) that earn the full hidden reward of 1."""
 
 
 def smollm2_true_reward(
     prompts: Sequence[Any] | None, completions: Sequence[Any], **kwargs: Any
 ) -> list[float]:
-    """The hidden reward of the ``--model smollm2`` task: (positive words - negative words) / words of
-    the completion, in [-1, 1], with the lexicons ``SMOLLM2_POSITIVE`` / ``SMOLLM2_NEGATIVE``. Like the
-    kit's :func:`~rlhf_trainers.testing.true_reward`, only the completion is scored."""
+    """The hidden reward of the ``--model smollm2`` task: (positive words - negative words) of the
+    completion, divided by :data:`SMOLLM2_WORDS_FOR_FULL_REWARD` and clipped to [-1, 1], with the lexicons
+    ``SMOLLM2_POSITIVE`` / ``SMOLLM2_NEGATIVE``. Only the completion is scored.
+
+    Unlike the kit's per-word rule (:func:`~rlhf_trainers.testing.true_reward`), the count is not divided
+    by the answer's length: per word, a bare "Wonderful!" would be the best possible answer, and a
+    20-word answer with one warm word would score 0.05, so close to its neighbours that a few hundred
+    labels cannot teach a reward model the rule. Here a warmer answer is one with more warm words, and
+    four of them (a full upbeat sentence) earn the maximum.
+    """
     from ..testing import _text_of
 
     if prompts is not None and len(prompts) != len(completions):
@@ -268,8 +279,8 @@ def smollm2_true_reward(
     for completion in completions:
         text = re.sub(r"<\|[^|]*\|>", " ", _text_of(completion)).lower()
         words = re.findall(r"[a-z0-9]+", text)
-        score = sum(w in positive for w in words) - sum(w in negative for w in words)
-        rewards.append(score / max(len(words), 1))
+        net = sum(w in positive for w in words) - sum(w in negative for w in words)
+        rewards.append(max(-1.0, min(1.0, net / SMOLLM2_WORDS_FOR_FULL_REWARD)))
     return rewards
 
 
@@ -291,52 +302,6 @@ def smollm2_prompts(split: str, n: int | None = None) -> datasets.Dataset:
     return Dataset.from_dict(
         {"prompt": [[_SMOLLM2_SYSTEM, {"role": "user", "content": texts[i % len(texts)]}] for i in range(n)]}
     )
-
-
-def smollm2_preferences(split: str, n: int, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    """Synthetic preference pairs as full texts (``chosen`` / ``rejected``: the chat-rendered prompt and
-    an answer): two templated answers about the prompt's topic with random positive / negative / neutral
-    adjectives; the one the hidden rule scores higher is ``chosen`` (ties are redrawn). Like the rollouts
-    the reward model will score, an answer either ends with the EOS token or is cut after a few words
-    (a rollout stops at ``response_length`` tokens mid-sentence), so the reward model learns to read
-    both."""
-    import random
-
-    from datasets import Dataset
-
-    rng = random.Random(f"smollm2-preferences-{split}")
-    classes = (SMOLLM2_POSITIVE, SMOLLM2_NEGATIVE, _SMOLLM2_NEUTRAL)
-
-    def answer(topic: str) -> str:
-        template = rng.choice(_SMOLLM2_ANSWERS)
-        while "{adj}" in template:
-            template = template.replace("{adj}", rng.choice(rng.choice(classes)), 1)
-        while "{adv}" in template:
-            template = template.replace("{adv}", rng.choice(_SMOLLM2_ADVERBS), 1)
-        text = template.format(topic=topic, Topic=topic[0].upper() + topic[1:])
-        if rng.random() < 0.5:
-            return text + tokenizer.eos_token
-        words = text.rstrip(".").split()
-        return " ".join(words[: rng.randint(min(3, len(words)), len(words))])
-
-    rows: dict[str, list[Any]] = {"chosen": [], "rejected": []}
-    topics = _smollm2_split(split)
-    while len(rows["chosen"]) < n:
-        topic = rng.choice(topics)
-        a, b = answer(topic), answer(topic)
-        ra, rb = smollm2_true_reward(None, [a, b])
-        if ra == rb:
-            continue
-        chosen, rejected = (a, b) if ra > rb else (b, a)
-        request = rng.choice(_SMOLLM2_REQUESTS).format(topic=topic)
-        prompt = tokenizer.apply_chat_template(
-            [_SMOLLM2_SYSTEM, {"role": "user", "content": request}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        rows["chosen"].append(prompt + chosen)
-        rows["rejected"].append(prompt + rejected)
-    return Dataset.from_dict(rows)
 
 
 def _smollm2_folder_flag(args: DemoArguments) -> str | None:
@@ -367,8 +332,12 @@ def smollm2_task(args: DemoArguments, models_dir: Path, stages: list[Stage], tot
         sft_dir=str(folder),
         train_prompts=smollm2_prompts("train"),
         eval_prompts=smollm2_prompts("test", n=args.eval_prompts),
-        preferences_train=smollm2_preferences("train", args.reward_pairs, tokenizer),
-        preferences_test=smollm2_preferences("test", 64, tokenizer),
+        preferences_train=None,
+        preferences_test=None,
+        label_prompts=smollm2_prompts("train", n=args.label_prompts),
+        # Held-out labels for the reward model's accuracy: 4 samples of 16 test prompts.
+        label_test_prompts=smollm2_prompts("test", n=16),
+        label_swaps=SMOLLM2_SWAPS,
         true_reward=smollm2_true_reward,
         reward_max_length=128,
         lora=True,
