@@ -52,6 +52,7 @@ __all__ = [
     "count_words",
     "reward_function",
     "success",
+    "success_function",
     "task_dataset",
     "task_rows",
     "word_count_reward",
@@ -274,3 +275,19 @@ def success(task: str, completions: Sequence[Any], **columns: Any) -> list[float
     if task == "addition":
         return _addition_success(completions, columns.get("answer"))  # type: ignore[arg-type]
     return _word_count_success(completions, columns.get("num_words"))  # type: ignore[arg-type]
+
+
+def success_function(task: str) -> Callable[..., list[float]]:
+    """:func:`success` of `task` as a reward function named ``success`` (``f(prompts=..., completions=...,
+    **columns)``). Given to a trainer with weight 0.0 (``reward_weights``), it does not change the reward
+    but is logged beside it: ``objective/scores/success`` in training and ``eval_objective/scores/success``,
+    the held-out success rate, in ``evaluate()``."""
+    _check_task(task)
+
+    def success_(
+        prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (), **columns: Any
+    ) -> list[float]:
+        return success(task, completions, **columns)
+
+    success_.__name__ = success_.__qualname__ = "success"
+    return success_
