@@ -169,12 +169,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peft_config=lora.peft_config("CAUSAL_LM"),
     )
     start = time.perf_counter()
-    trainer.evaluate()
+    # Trainer.train() starts a new log history: keep the evaluation before training aside.
+    before = dict(trainer.evaluate(), step=0)
     trainer.train(resume_from_checkpoint=resume_argument(config))
     if trainer.state.global_step % max(int(config.eval_steps or 1), 1):
         trainer.evaluate()  # the last update, when eval_steps does not divide max_steps
     seconds = time.perf_counter() - start
-    curve = curve_of(trainer.state.log_history, trainer.batch_size)
+    curve = curve_of([before, *trainer.state.log_history], trainer.batch_size)
     results = {
         "task": args.task,
         "trainer": args.trainer,
