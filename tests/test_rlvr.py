@@ -249,8 +249,7 @@ def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, trainer):
     assert written == json.loads(json.dumps(results))
     assert (written["trainer"], written["task"], written["updates"]) == (trainer, "word_count", 2)
     assert [point["update"] for point in written["curve"]] == [0, 1, 2]
-    # 8 completions per micro-batch x 2 mini-batches (the example's default) per update
-    assert [point["episode"] for point in written["curve"]] == [0, 16, 32]
+    assert [point["episode"] for point in written["curve"]] == [0, 8, 16]  # 8 completions per update
     assert all(0.0 <= point["success"] <= 1.0 for point in written["curve"])
     assert written["settings"]["lora_r"] == 16  # LoRA on by default
     assert (tmp_path / "out" / "adapter_config.json").is_file()
