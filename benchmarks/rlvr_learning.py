@@ -10,7 +10,7 @@ results are written after every run, so an interrupted driver keeps what it fini
     python benchmarks/rlvr_learning.py                       # 3 seeds x {ppo, rloo}, word_count
     python benchmarks/rlvr_learning.py --render benchmarks/results/rlvr_learning.json   # redraw the PNG
 
-Writes ``<out>/rlvr_learning.json`` and ``rlvr_learning.png`` (mean over seeds, thick, and each seed,
+Writes ``<out>/rlvr_learning.json``, ``rlvr_learning.md`` (the table) and ``rlvr_learning.png`` (mean over seeds, thick, and each seed,
 thin), and copies the PNG to ``docs/img/rlvr_learning.png``.
 """
 
@@ -132,10 +132,32 @@ def plot(result: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
+def table(result: dict[str, Any]) -> str:
+    """A markdown table: per trainer, held-out success before -> after for each seed, the mean gain, and
+    the minutes per run."""
+    lines = [
+        "| trainer | seed | held-out success before | after | gain | minutes |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for trainer, info in result["summary"].items():
+        for seed, before, after, seconds in zip(
+            info["seeds"], info["before"], info["after"], info["seconds_per_run"], strict=True
+        ):
+            lines.append(
+                f"| {trainer.upper()} | {seed} | {before:.3f} | {after:.3f} | {after - before:+.3f} | {seconds / 60:.1f} |"
+            )
+        lines.append(
+            f"| **{trainer.upper()} mean** | | {info['mean_before']:.3f} | {info['mean_after']:.3f} | "
+            f"**{info['mean_gain']:+.3f}** | {statistics.fmean(info['seconds_per_run']) / 60:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write(result: dict[str, Any], out: Path, docs_png: Path | None) -> None:
     result["summary"] = summarize(result["runs"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "rlvr_learning.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "rlvr_learning.md").write_text(table(result))
     plot(result, out / "rlvr_learning.png")
     if docs_png is not None:
         shutil.copyfile(out / "rlvr_learning.png", docs_png)
