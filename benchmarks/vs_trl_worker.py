@@ -202,8 +202,9 @@ def chat_prompt_ids(tokenizer: Any, rows: list[dict[str, Any]]) -> list[list[int
 
 def evaluate_success(
     policy: Any, tokenizer: Any, rows: list[dict[str, Any]], settings: dict[str, Any], module: Any, task: str
-) -> float:
-    """Mean held-out score (``module.success``) of ``eval_samples`` sampled completions per test row
+) -> dict[str, float]:
+    """Mean held-out score (``module.success``, strict 0/1) and mean training reward
+    (``module.reward_function``, the shaped one) of ``eval_samples`` sampled completions per test row
     (temperature ``temperature``, top-k 0, top-p 1, stop at EOS, ``response_length`` new tokens at most),
     with the RNG seeded for the evaluation and restored afterwards, as :func:`evaluate_true_reward`."""
     import torch
@@ -213,7 +214,9 @@ def evaluate_success(
     policy.eval()
     torch.manual_seed(settings.get("eval_seed", 1234))
     ids = chat_prompt_ids(tokenizer, rows)
+    reward_fn = module.reward_function(task)
     scores: list[float] = []
+    rewards: list[float] = []
     try:
         with torch.no_grad():
             for _ in range(settings.get("eval_samples", 2)):
@@ -237,10 +240,11 @@ def evaluate_success(
                     )
                     columns = {k: [r[k] for r in chunk] for k in chunk[0] if k != "prompt"}
                     scores += module.success(task, texts, **columns)
+                    rewards += reward_fn(prompts=[r["prompt"] for r in chunk], completions=texts, **columns)
     finally:
         policy.train(was_training)
         torch.set_rng_state(rng)
-    return sum(scores) / len(scores)
+    return {"success": sum(scores) / len(scores), "reward": sum(rewards) / len(rewards)}
 
 
 def lora_config(settings: dict[str, Any]) -> Any:
@@ -339,6 +343,8 @@ def build_trainer(
         gradient_accumulation_steps=1,
         temperature=s["temperature"],
         logging_steps=1,
+        # learning_vs_trl_real.py: "constant", so that TRL's per-step and our per-update schedules agree
+        lr_scheduler_type=s.get("lr_scheduler_type", "linear"),
         save_strategy="no",
         report_to="none",
         use_cpu=True,
@@ -612,8 +618,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             trainer_ = state_holder["trainer"]
             model = trainer_.accelerator.unwrap_model(trainer_.model)
             model = getattr(model, "policy", model)  # our PPO trains a policy + value wrapper
-            score = evaluate_success(model, tokenizer, prompts["test"], s, task_module, task["name"])
-            evals.append({"update": update, "episodes": update * s["batch"], "success": score})
+            scores = evaluate_success(model, tokenizer, prompts["test"], s, task_module, task["name"])
+            evals.append({"update": update, "episodes": update * s["batch"], **scores})
         else:
             value_ = evaluate_true_reward(policy, tokenizer, prompts["test"], s, true_reward)
             evals.append({"update": update, "episodes": update * s["batch"], "true_reward": value_})
@@ -685,6 +691,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         p["update"] = total - sum(p.get(k, 0.0) for k in ROLLOUT_PHASES)
         p["total"] = total
 
+    # KL to the reference per completion (nats, the k1 sum over its tokens): ours logs it as such; TRL's
+    # RLOO logs the per-token mean over all completion tokens, times the mean length = the same quantity.
+    kl_per_completion = [h["objective/kl"] for h in log_history if "objective/kl" in h] or [
+        h["kl"] * h["completions/mean_length"]
+        for h in log_history
+        if "kl" in h and "completions/mean_length" in h
+    ]
     response_lengths = [
         h[k] for h in log_history for k in ("val/response_length", "completions/mean_length") if k in h
     ]
@@ -737,6 +750,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "worker_wall_s": time.perf_counter() - t_start,
         "policy_changed": trained_changed,
         "reward_kwargs_seen": sorted(reward_kwargs_seen),
+        "kl_per_completion": kl_per_completion,
+        "final_kl": kl_per_completion[-1] if kl_per_completion else None,
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "evals": evals,
