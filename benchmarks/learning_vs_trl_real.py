@@ -213,40 +213,54 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 NOTES = [
-    "Generation: ours samples with its own loop (`generation_loop='builtin'`, softmax(logits / T) exactly), "
-    "TRL with `model.generate` (temperature T, top-k 0, top-p 1, min-p none, repetition penalty 1): the same "
-    "distribution, different random streams, so single seeds are not paired sample for sample.",
+    "Generation: ours samples with its own loop (`generation_loop='builtin'`: softmax(logits / T), no top-k/top-p), "
+    "TRL with `model.generate` (temperature T, top-k 0, top-p 1, no min-p, repetition penalty 1): the same "
+    "distribution, but different random streams, so a seed does not give the same samples on both sides "
+    "(nor can it: the two trainers draw their random numbers in different orders).",
+    "Rollout log-probs: ours takes them from its sampling loop (`rollout_logprobs='auto'` picks that in "
+    "float32), TRL from a separate forward pass; in float32 they agree to rounding (~1e-6).",
+    "How the completion reaches the reward function: TRL passes a chat completion as one assistant message, "
+    "ours as text; the rlvr functions read both the same way. Both pass the dataset columns (`answer`), "
+    "which the worker checks on every call.",
     "Mini-batch order: TRL's RLOO shuffles a generation batch once and reuses the same mini-batches in every "
-    "epoch (`num_iterations`); ours reshuffles every epoch. Neither has an option for the other's order.",
+    "epoch (`num_iterations`), ours reshuffles every epoch; with 1 epoch of 1 mini-batch (the settings "
+    "here) this does not come into play.",
     "Learning-rate schedule: constant on both sides (`lr_scheduler_type='constant'`): TRL's `max_steps` "
-    "counts optimizer steps and ours counts updates, so the default linear decay would step differently.",
+    "counts optimizer steps and ours counts updates, so the default linear decay would not match.",
     "Loss: both use the sequence-level ratio clipped at 0.2, the reward minus kl_coef (beta) x the summed "
-    "k1 KL to the LoRA-disabled base, and the leave-one-out baseline without advantage whitening; TRL "
-    "averages the loss over sequences, ours over the sequences of a mini-batch (`loss_agg_mode` acts on "
-    "token-level losses only), so the two agree.",
-    "Gradient clipping: both at `max_grad_norm=1.0` (TrainingArguments' default).",
+    "k1 KL to the LoRA-disabled base, the leave-one-out baseline without advantage whitening, gradient "
+    "clipping at 1.0 and the mean over the mini-batch's completions; dropout is off on both (SmolLM2 and "
+    "the adapter have none).",
     "TRL 1.12's PPO (the last TRL with PPO) is not run: its `reward_model` must be an nn.Module with a "
     "backbone and a `score` head whose output is read at the last real token, and it receives only the "
     "token ids of prompt + response; a task graded by code from a dataset column (`answer`) does not fit "
     "it without a fake module that decodes the ids and looks the answer up by prompt text, which would test "
-    "that adapter rather than TRL's PPO. Our PPO runs on the task with reward functions (`--algos ppo`).",
+    "that adapter rather than TRL's PPO. Our PPO runs on the task with the reward function (`--algos ppo`, "
+    "its own result file).",
 ]
 
 
 def settings_text(report: dict[str, Any]) -> str:
     s = report["settings"]
     algos = sorted({r["algo"] for r in report["results"]})
+    sides = "on both sides" if report["trl_versions"] else "(ours only)"
+    shapes = []
+    if "rloo" in algos:
+        shapes.append(f"RLOO {s['batch'] // s['rloo_k']} prompts x k={s['rloo_k']}")
+    if "ppo" in algos:
+        shapes.append(f"PPO {s['batch']} prompts, value model from the policy")
     return (
         f"{report['machine']}, torch {report['torch']}; TRL {', '.join(report['trl_versions']) or '-'}; "
         f"{'/'.join(a.upper() for a in algos)}. SmolLM2-135M-Instruct, LoRA r {s['lora']['r']} alpha "
-        f"{s['lora']['alpha']} all-linear on both sides; rlvr task `{report['task']}` "
+        f"{s['lora']['alpha']} all-linear {sides}; rlvr task `{report['task']}` "
         f"({report['assets']['train_rows']} train rows, {report['assets']['test_rows']} held-out test rows), "
-        f"its reward function on both sides; {s['batch']} completions per update (RLOO {s['batch'] // s['rloo_k']} "
-        f"prompts x k={s['rloo_k']}), {s['mini_batches']} mini-batches, {s['epochs']} epochs, response_length "
-        f"{s['response_length']} (stop at EOS), learning rate {s['learning_rate']}, kl_coef/beta {s['kl_coef']}, "
-        f"temperature {s['temperature']} (no top-k/top-p), {s['updates']} updates ({s['updates'] * s['batch']} "
-        f"episodes), {s['threads']} torch thread per run; held-out success of {s['eval_samples']} sample(s) "
-        f"per test row every {s['eval_every']} updates (strict success and the shaped reward of the same samples)."
+        f"its reward function {sides}; {s['batch']} completions per update ({'; '.join(shapes)}), "
+        f"{s['mini_batches']} mini-batches, {s['epochs']} epochs, response_length {s['response_length']} "
+        f"(stop at EOS), learning rate {s['learning_rate']} (constant), kl_coef/beta {s['kl_coef']}, "
+        f"temperature {s['temperature']} (no top-k/top-p), {s['updates']} updates "
+        f"({s['updates'] * s['batch']} episodes), {s['threads']} torch thread per run; held-out success of "
+        f"{s['eval_samples']} sample(s) per test row every {s['eval_every']} updates (strict success and the "
+        "shaped reward of the same samples)."
     )
 
 
@@ -308,8 +322,11 @@ def table(report: dict[str, Any]) -> list[str]:
                 lines.append(
                     f"| {name}, {metric} | " + " | ".join(f"{v:.3f}" for v in s[metric]["mean_curve"]) + " |"
                 )
-    lines += ["", "What differs between the two sides, and why:", ""]
-    lines += [f"- {note}" for note in NOTES]
+    if report["trl_versions"]:
+        lines += ["", "What differs between the two sides, and why:", ""]
+        lines += [f"- {note}" for note in NOTES]
+    else:
+        lines += ["", f"- {NOTES[-1]}"]
     return lines
 
 

@@ -378,7 +378,12 @@ def build_trainer(
         if algo == "ppo":
             trainer = PPOTrainer(
                 model=policy,
-                reward_model=reward,
+                # the reward model, or (a task) its reward function
+                **(
+                    {"reward_funcs": reward}
+                    if callable(reward) and not hasattr(reward, "config")
+                    else {"reward_model": reward}
+                ),
                 value_model=value,
                 processing_class=tokenizer,
                 peft_config=lora_config(s),
