@@ -666,7 +666,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "reward_model": getattr(trainer, "reward_model", None)
             or (trainer.reward_funcs[0] if hasattr(trainer, "reward_funcs") else None),
         }
-        trained_before = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+        # task runs: a copy of the (LoRA) trained parameters, to tell whether training moved them; not for
+        # the throughput runs, whose RSS figures a copy of a full model would inflate
+        trained_before = (
+            [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad] if task else None
+        )
         rss_before = rss_mib()
         peak_before = maxrss_mib()
         reset = reset_rss_high_water()
@@ -676,10 +680,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         train_peak = maxrss_mib()
         optimizer_mib = tensor_mib(t for st in trainer.optimizer.state.values() for t in st.values())
         trained = [p for p in trainer.model.parameters() if p.requires_grad]
-        trained_changed = any(
-            not torch.equal(a, b.detach()) for a, b in zip(trained_before, trained, strict=True)
-        )
-        del trained_before
+        if trained_before is not None:
+            trained_changed = any(
+                not torch.equal(a, b.detach()) for a, b in zip(trained_before, trained, strict=True)
+            )
+            del trained_before
         log_history = list(trainer.state.log_history)
 
     # ours reports its phases and tokens itself
