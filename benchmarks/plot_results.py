@@ -178,9 +178,10 @@ def table_onpolicy_memory() -> str:
     return "\n\n".join(parts) if parts else _missing("onpolicy_memory_*.json")
 
 
-def _include(pattern: str) -> str:
-    """The markdown tables a benchmark wrote beside its JSON (one per tag), verbatim."""
-    files = sorted(RESULTS.glob(pattern))
+def _include(pattern: str, exclude: str | None = None) -> str:
+    """The markdown tables a benchmark wrote beside its JSON (one per tag), verbatim; files whose name
+    starts with ``exclude`` belong to another benchmark."""
+    files = [f for f in sorted(RESULTS.glob(pattern)) if not (exclude and f.name.startswith(exclude))]
     if not files:
         return _missing(pattern)
     return "\n\n".join(
@@ -193,8 +194,16 @@ def table_vs_trl() -> str:
 
 
 def table_learning_vs_trl() -> str:
-    text = _include("learning_vs_trl*.md")
+    text = _include("learning_vs_trl*.md", exclude="learning_vs_trl_real")
     for png in sorted(RESULTS.glob("learning_vs_trl*.png")):
+        if not png.name.startswith("learning_vs_trl_real"):
+            text += f"\n\n![{png.stem}](img/{png.name})"
+    return text
+
+
+def table_learning_vs_trl_real() -> str:
+    text = _include("learning_vs_trl_real*.md")
+    for png in sorted(RESULTS.glob("learning_vs_trl_real*.png")):
         text += f"\n\n![{png.stem}](img/{png.name})"
     return text
 
@@ -240,6 +249,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "onpolicy_memory": table_onpolicy_memory,
     "vs_trl": table_vs_trl,
     "learning_vs_trl": table_learning_vs_trl,
+    "learning_vs_trl_real": table_learning_vs_trl_real,
     "long_run_memory": table_long_run_memory,
 }
 

@@ -4,7 +4,8 @@
 #
 #   benchmarks/.venvs/trl-1.12    trl==1.12.0: the last release with PPOTrainer (trl.experimental.ppo;
 #                                 removed in 1.13)
-#   benchmarks/.venvs/trl-latest  the newest trl on PyPI: trl.RLOOTrainer
+#   benchmarks/.venvs/trl-latest  the newest trl on PyPI: trl.RLOOTrainer, with peft (LoRA runs of
+#                                 learning_vs_trl_real.py)
 #   benchmarks/.venvs/ours        this project (editable, no extras): our trainers run with only the
 #                                 packages the job needs, like TRL's. The project's dev venv has DeepSpeed
 #                                 (and PEFT) installed, and accelerate imports DeepSpeed whenever it is
@@ -56,7 +57,7 @@ make_venv() {
     "$venv/bin/python" -I - <<'EOF' | tee "$venv/versions.txt"
 import importlib.metadata as md
 import sys
-names = ["rlhf_trainers", "trl", "torch", "transformers", "accelerate", "datasets", "pandas", "tokenizers", "safetensors"]
+names = ["rlhf_trainers", "trl", "peft", "torch", "transformers", "accelerate", "datasets", "pandas", "tokenizers", "safetensors"]
 print("python", sys.version.split()[0])
 for n in names:
     try:
@@ -67,5 +68,5 @@ EOF
 }
 
 make_venv trl-1.12 trl "trl==1.12.0" pandas
-make_venv trl-latest trl trl
+make_venv trl-latest "trl, peft" trl peft
 make_venv ours rlhf_trainers -e "$(dirname "$here")"

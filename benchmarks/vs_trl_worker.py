@@ -26,6 +26,14 @@ folders with their tokenizer), ``prompts`` (a JSON file with "train" and "test" 
   each model's parameters, of the gradients and of the optimizer states;
 - learning runs (``settings.eval_every`` > 0): the mean true reward of sampled completions on held-out
   prompts before training and every ``eval_every`` updates.
+
+Real-model learning runs (``learning_vs_trl_real.py``) add ``task``: ``{"py": a task module with the API
+of rlhf_trainers/rlvr.py, loaded by file path, "name": its task, "rows": a JSON file with "train" and
+"test" lists of rows}``; every row is ``{"prompt": chat messages, **columns}``. Both sides then train on
+the train rows with the task's reward function (which must receive the rows' columns: the worker checks
+it on every call and records the keyword names in ``reward_kwargs_seen``), ``settings.lora`` (r, alpha)
+puts the same LoRA adapter on the policy on both sides, and the evaluations record ``success``: the mean
+held-out score of sampled completions on the test rows.
 """
 
 from __future__ import annotations
@@ -157,6 +165,112 @@ def load_true_reward(task_py: str) -> Callable[..., list[float]]:
     return module.true_reward
 
 
+def load_task_module(task_py: str) -> Any:
+    """A task module with the API of ``rlhf_trainers/rlvr.py`` (standard library at module level), by path."""
+    spec = importlib.util.spec_from_file_location("_rlvr_task_standalone", task_py)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def checked_reward_function(
+    module: Any, task: str, columns: list[str], seen: set[str]
+) -> Callable[..., list[float]]:
+    """The task's reward function, failing loudly unless every call receives the rows' ``columns``
+    (e.g. "answer") as keyword arguments; the keyword names it got are added to ``seen``."""
+    inner = module.reward_function(task)
+
+    @functools.wraps(inner)
+    def reward(*args: Any, **kwargs: Any) -> list[float]:
+        missing = [c for c in columns if c not in kwargs]
+        if missing:
+            raise RuntimeError(f"the reward function did not receive the dataset columns {missing}")
+        seen.update(kwargs)
+        return inner(*args, **kwargs)
+
+    return reward
+
+
+def chat_prompt_ids(tokenizer: Any, rows: list[dict[str, Any]]) -> list[list[int]]:
+    """Token ids of each row's chat prompt with the generation prompt, as both trainers build them."""
+    texts = [
+        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
+    ]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def evaluate_success(
+    policy: Any, tokenizer: Any, rows: list[dict[str, Any]], settings: dict[str, Any], module: Any, task: str
+) -> dict[str, float]:
+    """Mean held-out score (``module.success``, strict 0/1) and mean training reward
+    (``module.reward_function``, the shaped one) of ``eval_samples`` sampled completions per test row
+    (temperature ``temperature``, top-k 0, top-p 1, stop at EOS, ``response_length`` new tokens at most),
+    with the RNG seeded for the evaluation and restored afterwards, as :func:`evaluate_true_reward`."""
+    import torch
+
+    rng = torch.get_rng_state()
+    was_training = policy.training
+    policy.eval()
+    torch.manual_seed(settings.get("eval_seed", 1234))
+    ids = chat_prompt_ids(tokenizer, rows)
+    reward_fn = module.reward_function(task)
+    scores: list[float] = []
+    rewards: list[float] = []
+    try:
+        with torch.no_grad():
+            for _ in range(settings.get("eval_samples", 2)):
+                for start in range(0, len(rows), 32):
+                    chunk = rows[start : start + 32]
+                    batch = tokenizer.pad(
+                        {"input_ids": ids[start : start + 32]}, return_tensors="pt", padding_side="left"
+                    )
+                    out = policy.generate(
+                        **batch,
+                        max_new_tokens=settings["response_length"],
+                        do_sample=True,
+                        temperature=settings["temperature"],
+                        top_k=0,
+                        top_p=1.0,
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
+                    texts = tokenizer.batch_decode(
+                        out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+                    )
+                    columns = {k: [r[k] for r in chunk] for k in chunk[0] if k != "prompt"}
+                    scores += module.success(task, texts, **columns)
+                    rewards += reward_fn(prompts=[r["prompt"] for r in chunk], completions=texts, **columns)
+    finally:
+        policy.train(was_training)
+        torch.set_rng_state(rng)
+    return {"success": sum(scores) / len(scores), "reward": sum(rewards) / len(rewards)}
+
+
+def lora_config(settings: dict[str, Any]) -> Any:
+    """The same LoRA adapter for both sides (``settings.lora``: r, alpha; all linear layers), or None."""
+    if not settings.get("lora"):
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings["lora"]["r"],
+        lora_alpha=settings["lora"]["alpha"],
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+
+
+def prompt_dataset(train: list[Any]) -> Any:
+    """Rows (dicts: chat prompt + columns) or prompt strings as a ``datasets.Dataset``."""
+    from datasets import Dataset
+
+    if train and isinstance(train[0], dict):
+        return Dataset.from_list(train)
+    return Dataset.from_dict({"prompt": train})
+
+
 def evaluate_true_reward(
     policy: Any, tokenizer: Any, prompts: list[str], settings: dict[str, Any], true_reward: Callable
 ) -> float:
@@ -229,6 +343,8 @@ def build_trainer(
         gradient_accumulation_steps=1,
         temperature=s["temperature"],
         logging_steps=1,
+        # learning_vs_trl_real.py: "constant", so that TRL's per-step and our per-update schedules agree
+        lr_scheduler_type=s.get("lr_scheduler_type", "linear"),
         save_strategy="no",
         report_to="none",
         use_cpu=True,
@@ -258,13 +374,19 @@ def build_trainer(
         )
         # vs_trl.py --ours-config: our config fields to set on top (e.g. an A/B of one option).
         ours.update(s.get("ours_config") or {})
-        dataset = Dataset.from_dict({"prompt": train_prompts})
+        dataset = prompt_dataset(train_prompts)
         if algo == "ppo":
             trainer = PPOTrainer(
                 model=policy,
-                reward_model=reward,
+                # the reward model, or (a task) its reward function
+                **(
+                    {"reward_funcs": reward}
+                    if callable(reward) and not hasattr(reward, "config")
+                    else {"reward_model": reward}
+                ),
                 value_model=value,
                 processing_class=tokenizer,
+                peft_config=lora_config(s),
                 args=PPOConfig(**ours),
                 train_dataset=dataset,
                 callbacks=[callback],
@@ -279,6 +401,7 @@ def build_trainer(
                     else {"reward_model": reward}
                 ),
                 processing_class=tokenizer,
+                peft_config=lora_config(s),
                 args=RLOOConfig(rloo_k=s["rloo_k"], **ours),
                 train_dataset=dataset,
                 callbacks=[callback],
@@ -379,9 +502,10 @@ def build_trainer(
         model=policy,
         reward_funcs=reward,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": train_prompts}),
+        train_dataset=prompt_dataset(train_prompts),
         processing_class=tokenizer,
         reward_processing_classes=tokenizer if hasattr(reward, "config") else None,
+        peft_config=lora_config(s),
         callbacks=[callback],
     )
     import torch
@@ -440,34 +564,46 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         import rlhf_trainers.ppo
         import rlhf_trainers.rloo  # noqa: F401
     rss_imports = rss_mib()
-    prompts = json.loads(Path(spec["prompts"]).read_text())
-    reward_source = s.get("reward_source", "model")
-    if reward_source != "model" and algo != "rloo":
+    task = spec.get("task")
+    reward_source = "task" if task else s.get("reward_source", "model")
+    if reward_source != "model" and algo != "rloo" and impl == "trl":
         raise SystemExit(
-            f"reward_source {reward_source!r} (a reward function) is for RLOO only: TRL 1.12's PPO needs a model"
+            f"reward_source {reward_source!r} (a reward function): TRL 1.12's PPO needs a reward model"
         )
-    need_true = s.get("eval_every") or reward_source == "true"
-    true_reward = load_true_reward(spec["task_py"]) if need_true else None
+    reward_kwargs_seen: set[str] = set()
+    if task:
+        rows = json.loads(Path(task["rows"]).read_text())
+        prompts = {"train": rows["train"], "test": rows["test"]}
+        task_module = load_task_module(task["py"])
+        columns = [k for k in rows["train"][0] if k != "prompt"]
+        true_reward = None
+    else:
+        prompts = json.loads(Path(spec["prompts"]).read_text())
+        need_true = s.get("eval_every") or reward_source == "true"
+        true_reward = load_true_reward(spec["task_py"]) if need_true else None
 
     if s.get("threads"):
         torch.set_num_threads(s["threads"])
     torch.manual_seed(s["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["policy"])
     policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
-    reward = (
-        true_reward
-        if reward_source == "true"
-        else AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32)
-    )
+    if reward_source == "task":
+        reward = checked_reward_function(task_module, task["name"], columns, reward_kwargs_seen)
+    elif reward_source == "true":
+        reward = true_reward
+    else:
+        reward = AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32)
     if reward_source == "model_text" and impl == "ours":
         reward = text_reward_function(reward, AutoTokenizer.from_pretrained(spec["reward"]))
+    # PPO's critic: a copy of the reward model; on a task (no reward model) ours builds it from the policy.
     value = (
         AutoModelForSequenceClassification.from_pretrained(spec["reward"], dtype=torch.float32)
-        if algo == "ppo"
+        if algo == "ppo" and not task
         else None
     )
     rss_loaded = rss_mib()
-    digest_before = torch.cat([p.detach().reshape(-1)[:1000] for p in policy.parameters()]).clone()
+    # (task runs compare the trained parameters instead: LoRA adds parameters to the policy)
+    digest = None if task else torch.cat([p.detach().reshape(-1)[:1000] for p in policy.parameters()]).clone()
 
     timers = PhaseTimers()
     marks: dict[str, Any] = {"t": None, "eval_s": 0.0}
@@ -482,8 +618,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if not every or (update % every and update != s["updates"]):
             return
         t0 = time.perf_counter()
-        value_ = evaluate_true_reward(policy, tokenizer, prompts["test"], s, true_reward)
-        evals.append({"update": update, "episodes": update * s["batch"], "true_reward": value_})
+        if task:
+            # the trainer's model: under LoRA, the PEFT model whose adapter is being trained
+            trainer_ = state_holder["trainer"]
+            model = trainer_.accelerator.unwrap_model(trainer_.model)
+            model = getattr(model, "policy", model)  # our PPO trains a policy + value wrapper
+            scores = evaluate_success(model, tokenizer, prompts["test"], s, task_module, task["name"])
+            evals.append({"update": update, "episodes": update * s["batch"], **scores})
+        else:
+            value_ = evaluate_true_reward(policy, tokenizer, prompts["test"], s, true_reward)
+            evals.append({"update": update, "episodes": update * s["batch"], "true_reward": value_})
         marks["eval_s"] += time.perf_counter() - t0
 
     class Probe(TrainerCallback):
@@ -522,6 +666,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "reward_model": getattr(trainer, "reward_model", None)
             or (trainer.reward_funcs[0] if hasattr(trainer, "reward_funcs") else None),
         }
+        # task runs: a copy of the (LoRA) trained parameters, to tell whether training moved them; not for
+        # the throughput runs, whose RSS figures a copy of a full model would inflate
+        trained_before = (
+            [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad] if task else None
+        )
         rss_before = rss_mib()
         peak_before = maxrss_mib()
         reset = reset_rss_high_water()
@@ -531,6 +680,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         train_peak = maxrss_mib()
         optimizer_mib = tensor_mib(t for st in trainer.optimizer.state.values() for t in st.values())
         trained = [p for p in trainer.model.parameters() if p.requires_grad]
+        if trained_before is not None:
+            trained_changed = any(
+                not torch.equal(a, b.detach()) for a, b in zip(trained_before, trained, strict=True)
+            )
+            del trained_before
         log_history = list(trainer.state.log_history)
 
     # ours reports its phases and tokens itself
@@ -547,10 +701,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         p["update"] = total - sum(p.get(k, 0.0) for k in ROLLOUT_PHASES)
         p["total"] = total
 
+    # KL to the reference per completion (nats, the k1 sum over its tokens): ours logs it as such; TRL's
+    # RLOO logs the per-token mean over all completion tokens, times the mean length = the same quantity.
+    kl_per_completion = [h["objective/kl"] for h in log_history if "objective/kl" in h] or [
+        h["kl"] * h["completions/mean_length"]
+        for h in log_history
+        if "kl" in h and "completions/mean_length" in h
+    ]
     response_lengths = [
         h[k] for h in log_history for k in ("val/response_length", "completions/mean_length") if k in h
     ]
-    digest_after = torch.cat([p.detach().reshape(-1)[:1000] for p in policy.parameters()])
+    if digest is not None:
+        digest_after = torch.cat([p.detach().reshape(-1)[:1000] for p in policy.parameters()])
+        trained_changed = bool((digest_after != digest).any())
     steady = update_seconds[1:] or update_seconds
     median = statistics.median(steady) if steady else float("nan")
     tokens_median = statistics.median(tokens[1:] or tokens) if tokens else float("nan")
@@ -595,7 +758,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "train_wall_s": train_wall,
         "eval_wall_s": marks["eval_s"],
         "worker_wall_s": time.perf_counter() - t_start,
-        "policy_changed": bool((digest_after != digest_before).any()),
+        "policy_changed": trained_changed,
+        "reward_kwargs_seen": sorted(reward_kwargs_seen),
+        "kl_per_completion": kl_per_completion,
+        "final_kl": kl_per_completion[-1] if kl_per_completion else None,
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "evals": evals,
