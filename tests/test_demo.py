@@ -34,7 +34,7 @@ def test_defaults_depend_on_the_model_and_explicit_flags_win():
     assert (kit.model, kit.sft_steps, kit.ppo_updates, kit.rloo_updates) == ("kit", 300, 60, 60)
     assert (kit.learning_rate, kit.response_length, kit.eval_prompts) == (2e-3, 12, 96)
     smol = DemoArguments(model="smollm2")
-    assert (smol.sft_steps, smol.label_prompts, smol.reward_pairs, smol.temperature) == (0, 160, None, 0.7)
+    assert (smol.sft_steps, smol.label_prompts, smol.reward_pairs, smol.temperature) == (0, 64, None, 0.7)
     assert (kit.reward_pairs, kit.label_prompts, kit.temperature) == (2048, None, 1.0)
     quick = DemoArguments(quick=True, ppo_updates=7)
     assert (quick.ppo_updates, quick.rloo_updates, quick.sft_steps) == (7, 4, 60)

@@ -35,7 +35,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rollout_size": 16,
         "learning_rate": 5e-4,
         "response_length": 24,
-        "eval_prompts": 16,
+        "eval_prompts": 40,
         "sample_rows": 6,
         "temperature": 0.7,
     },
@@ -89,10 +89,10 @@ class DemoArguments:
         },
     )
     ppo_updates: int | None = field(
-        default=None, metadata={"help": "PPO updates (one rollout each). Default: 60 (kit), 12 (smollm2)."}
+        default=None, metadata={"help": "PPO updates (one rollout each). Default: 60 (kit), 16 (smollm2)."}
     )
     rloo_updates: int | None = field(
-        default=None, metadata={"help": "RLOO updates (one rollout each). Default: 60 (kit), 12 (smollm2)."}
+        default=None, metadata={"help": "RLOO updates (one rollout each). Default: 60 (kit), 16 (smollm2)."}
     )
     rollout_size: int | None = field(
         default=None,
@@ -105,7 +105,7 @@ class DemoArguments:
     rloo_k: int = field(default=4, metadata={"help": "RLOO completions per prompt (>= 2)."})
     learning_rate: float | None = field(
         default=None,
-        metadata={"help": "Policy learning rate of PPO and RLOO. Default: 2e-3 (kit), 1e-3 (smollm2, LoRA)."},
+        metadata={"help": "Policy learning rate of PPO and RLOO. Default: 2e-3 (kit), 5e-4 (smollm2, LoRA)."},
     )
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (beta) of PPO and RLOO."})
     temperature: float | None = field(
@@ -117,13 +117,13 @@ class DemoArguments:
         },
     )
     response_length: int | None = field(
-        default=None, metadata={"help": "Maximum new tokens per completion. Default: 12 (kit), 16 (smollm2)."}
+        default=None, metadata={"help": "Maximum new tokens per completion. Default: 12 (kit), 24 (smollm2)."}
     )
     eval_prompts: int | None = field(
         default=None,
         metadata={
             "help": "Held-out prompts sampled to evaluate before and after each trainer. Default: 96 (kit: "
-            "every test prompt), 16 (smollm2)."
+            "every test prompt), 40 (smollm2: every test prompt)."
         },
     )
     sample_rows: int | None = field(

@@ -111,33 +111,38 @@ def plot_learning_curves(results: dict[str, dict[str, Any]], path: Path, title: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_kl) = plt.subplots(1, 2, figsize=(12, 4.6))
+    # The true reward and the reward model's score side by side: they must rise together (a rising score
+    # with a flat true reward is reward hacking).
+    fig, (ax_r, ax_rm, ax_kl) = plt.subplots(1, 3, figsize=(17, 4.6))
     colors = {"ppo": "tab:blue", "rloo": "tab:orange"}
     for kind in ("ppo", "rloo"):
         r, color = results[kind], colors[kind]
         x = [h["episode"] for h in r["history"]]
         window = max(1, min(5, len(x) // 4))
-        for ax, key in ((ax_r, "true_reward"), (ax_kl, "objective/kl")):
+        for ax, key in ((ax_r, "true_reward"), (ax_rm, "rm_score"), (ax_kl, "objective/kl")):
             y = [h[key] for h in r["history"]]
             ax.plot(x, y, color=color, alpha=0.25, linewidth=1)
             ax.plot(
                 x, _moving_average(y, window), color=color, linewidth=2, label=f"{r['trainer']} (rollouts)"
             )
-        ax_r.plot(
-            [0, r["episodes"]],
-            [r["true_reward_before"], r["true_reward_after"]],
-            linestyle="none",
-            marker="o",
-            markersize=8,
-            markerfacecolor="white",
-            color=color,
-            label=f"{r['trainer']} held-out eval",
-        )
+        for ax, key in ((ax_r, "true_reward"), (ax_rm, "rm_score")):
+            ax.plot(
+                [0, r["episodes"]],
+                [r[f"{key}_before"], r[f"{key}_after"]],
+                linestyle="none",
+                marker="o",
+                markersize=8,
+                markerfacecolor="white",
+                color=color,
+                label=f"{r['trainer']} held-out eval",
+            )
     ax_r.set_title("hidden true reward (never seen by the trainers)")
     ax_r.set_ylabel("mean true reward per completion")
+    ax_rm.set_title("reward-model score (what the trainers optimise)")
+    ax_rm.set_ylabel("mean reward-model score per completion")
     ax_kl.set_title("KL to the reference (the SFT policy)")
     ax_kl.set_ylabel("nats per completion")
-    for ax in (ax_r, ax_kl):
+    for ax in (ax_r, ax_rm, ax_kl):
         ax.set_xlabel("episodes (completions trained on)")
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
