@@ -50,6 +50,34 @@ from vs_trl import (  # noqa: E402
 ALGOS = ("ppo", "rloo")
 
 
+def run_prepare(cmd: list[str]) -> dict[str, Any]:
+    """Run the driver's ``--prepare`` step in its own process (the models and data it builds are freed
+    before the workers start) and return the JSON it prints last."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"preparation failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def learning_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The worker settings shared by the learning comparisons (same on both sides of a comparison)."""
+    return {
+        "batch": args.batch,
+        "mini_batches": args.mini_batches,
+        "epochs": args.epochs,
+        "response_length": args.response_length,
+        "fixed_length": False,
+        "rloo_k": args.rloo_k,
+        "learning_rate": args.learning_rate,
+        "kl_coef": args.kl_coef,
+        "temperature": args.temperature,
+        "updates": args.updates,
+        "eval_every": args.eval_every,
+        "eval_samples": args.eval_samples,
+        "threads": args.threads,
+    }
+
+
 def train_reward_model(work: Path) -> dict[str, Any]:
     """The learning runs' reward model: our RewardTrainer on the kit's preference pairs, from
     ``llama-sft`` (saved with its tokenizer to ``<work>/tiny/reward-trained``, once), and its held-out
@@ -314,27 +342,8 @@ def main() -> None:
         print(json.dumps(prepare(work)))
         return
     pythons = interpreters(args)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--prepare", f"--work-dir={work}"], capture_output=True, text=True
-    )
-    if proc.returncode:
-        raise SystemExit(f"preparation failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    settings = {
-        "batch": args.batch,
-        "mini_batches": args.mini_batches,
-        "epochs": args.epochs,
-        "response_length": args.response_length,
-        "fixed_length": False,
-        "rloo_k": args.rloo_k,
-        "learning_rate": args.learning_rate,
-        "kl_coef": args.kl_coef,
-        "temperature": args.temperature,
-        "updates": args.updates,
-        "eval_every": args.eval_every,
-        "eval_samples": args.eval_samples,
-        "threads": args.threads,
-    }
+    info = run_prepare([sys.executable, __file__, "--prepare", f"--work-dir={work}"])
+    settings = learning_settings(args)
     results = []
     for algo in [a for a in args.algos.split(",") if a]:
         for i, seed in enumerate(int(x) for x in args.seeds.split(",")):

@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from learning_vs_trl import learning_settings, run_prepare  # noqa: E402
 from vs_trl import DEFAULT_WORK, git_state, machine_name, run_worker  # noqa: E402
 
 TASK_PY = ROOT / "rlhf_trainers" / "rlvr.py"
@@ -390,24 +391,9 @@ def main() -> None:
     cmd = [sys.executable, __file__, "--prepare", f"--work-dir={work}", f"--task={args.task}"]
     cmd += [f"--train-rows={args.train_rows}"] if args.train_rows else []
     cmd += [f"--test-rows={args.test_rows}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"preparation failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    assets = json.loads(proc.stdout.strip().splitlines()[-1])
+    assets = run_prepare(cmd)
     settings = {
-        "batch": args.batch,
-        "mini_batches": args.mini_batches,
-        "epochs": args.epochs,
-        "response_length": args.response_length,
-        "fixed_length": False,
-        "rloo_k": args.rloo_k,
-        "learning_rate": args.learning_rate,
-        "kl_coef": args.kl_coef,
-        "temperature": args.temperature,
-        "updates": args.updates,
-        "eval_every": args.eval_every,
-        "eval_samples": args.eval_samples,
-        "threads": args.threads,
+        **learning_settings(args),
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha},
         "lr_scheduler_type": "constant",
     }
