@@ -225,19 +225,7 @@ def evaluate_success(
                     batch = tokenizer.pad(
                         {"input_ids": ids[start : start + 32]}, return_tensors="pt", padding_side="left"
                     )
-                    out = policy.generate(
-                        **batch,
-                        max_new_tokens=settings["response_length"],
-                        do_sample=True,
-                        temperature=settings["temperature"],
-                        top_k=0,
-                        top_p=1.0,
-                        eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id,
-                    )
-                    texts = tokenizer.batch_decode(
-                        out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
-                    )
+                    texts = sample_texts(policy, tokenizer, batch, settings)
                     columns = {k: [r[k] for r in chunk] for k in chunk[0] if k != "prompt"}
                     scores += module.success(task, texts, **columns)
                     rewards += reward_fn(prompts=[r["prompt"] for r in chunk], completions=texts, **columns)
@@ -271,6 +259,22 @@ def prompt_dataset(train: list[Any]) -> Any:
     return Dataset.from_dict({"prompt": train})
 
 
+def sample_texts(policy: Any, tokenizer: Any, batch: Any, settings: dict[str, Any]) -> list[str]:
+    """The learning measure's sampler, the same on both sides: softmax(logits / T) without top-k/top-p,
+    stop at EOS, the completions decoded without special tokens."""
+    out = policy.generate(
+        **batch,
+        max_new_tokens=settings["response_length"],
+        do_sample=True,
+        temperature=settings["temperature"],
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
 def evaluate_true_reward(
     policy: Any, tokenizer: Any, prompts: list[str], settings: dict[str, Any], true_reward: Callable
 ) -> float:
@@ -291,19 +295,7 @@ def evaluate_true_reward(
                 for start in range(0, len(prompts), 64):
                     chunk = prompts[start : start + 64]
                     batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
-                    out = policy.generate(
-                        **batch,
-                        max_new_tokens=settings["response_length"],
-                        do_sample=True,
-                        temperature=settings["temperature"],
-                        top_k=0,
-                        top_p=1.0,
-                        eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id,
-                    )
-                    texts = tokenizer.batch_decode(
-                        out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
-                    )
+                    texts = sample_texts(policy, tokenizer, batch, settings)
                     rewards += true_reward(chunk, texts)
     finally:
         policy.train(was_training)
