@@ -84,8 +84,8 @@ def train_reward_model(work: Path) -> dict[str, Any]:
     pairwise accuracy."""
     import torch
 
-    from rlhf_trainers import RewardConfig, RewardTrainer
     from rlhf_trainers.testing import get_kit
+    from rlhf_trainers.testing.kit_reward import train_kit_reward_model
 
     out = work / "tiny" / "reward-trained"
     info_path = out / "benchmark_info.json"
@@ -93,24 +93,7 @@ def train_reward_model(work: Path) -> dict[str, Any]:
         return json.loads(info_path.read_text())
     kit = get_kit()
     tmp = out.with_name(out.name + ".tmp")
-    trainer = RewardTrainer(
-        model=str(kit.model_path("llama-sft")),
-        args=RewardConfig(
-            output_dir=str(tmp),
-            per_device_train_batch_size=32,
-            learning_rate=3e-3,
-            num_train_epochs=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            seed=0,
-            max_length=64,
-            disable_tqdm=True,
-        ),
-        train_dataset=kit.preference_dataset("train"),
-    )
-    trainer.train()
-    trainer.save_model(str(tmp))
+    trainer = train_kit_reward_model(kit, tmp)
     model, tokenizer = trainer.model.eval(), kit.load_tokenizer()
     test = kit.preference_dataset("test")
     correct = 0

@@ -10,12 +10,14 @@ gain and bias in the model's config.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,17 @@ def _is_peft_model(model: Any) -> bool:
     except ImportError:  # pragma: no cover - a broken install
         return False
     return isinstance(model, PeftModel)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Inside the context torch's generators (CPU and CUDA) start from ``seed``; outside, they are as
+    before. For initialisations that must follow the config's seed (a new adapter's weights are drawn
+    before ``Trainer`` seeds the process) without moving the caller's random stream."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def require_peft(purpose: str) -> None:

@@ -25,6 +25,7 @@ from rlhf_trainers.testing import OfflineKit, get_kit
 MAX_WORKERS = 4
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook; the vLLM environment runs without xdist
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per CPU this process may use, at most :data:`MAX_WORKERS`."""
     try:
@@ -34,8 +35,26 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(cpus, MAX_WORKERS))
 
 
+def vllm_importable() -> bool:
+    """Whether this interpreter has vLLM (found, not imported: importing it costs seconds)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep each module whose tests share a module- or class-scoped fixture on one xdist worker."""
+    """Keep each module whose tests share a module- or class-scoped fixture on one xdist worker. Where
+    vLLM is not installed, the ``vllm`` tests are deselected here and run by ``tests/test_vllm_env.py``
+    in a vLLM environment instead; where it is, that proxy is deselected."""
+    has_vllm = vllm_importable()
+    keep, dropped = [], []
+    for item in items:
+        is_vllm = item.get_closest_marker("vllm") is not None
+        is_proxy = item.get_closest_marker("vllm_proxy") is not None
+        (dropped if (is_vllm and not has_vllm) or (is_proxy and has_vllm) else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
@@ -70,3 +89,14 @@ def prompts(kit):
     batch = tok(texts, return_tensors="pt", padding=True)
     assert (batch["attention_mask"] == 0).any()
     return tok, batch["input_ids"], batch["attention_mask"]
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(kit, tmp_path_factory):
+    """A reward model trained by RewardTrainer on the kit's synthetic preferences, saved with its tokenizer
+    (:func:`rlhf_trainers.testing.kit_reward.train_kit_reward_model`)."""
+    from rlhf_trainers.testing.kit_reward import train_kit_reward_model
+
+    out = tmp_path_factory.mktemp("rm")
+    train_kit_reward_model(kit, out)
+    return out

@@ -1181,7 +1181,7 @@ def test_all_lists_public_names():
         for name, obj in vars(F).items()
         if not name.startswith("_") and getattr(obj, "__module__", "").startswith(F.__name__ + ".")
     }
-    constants = {"KL_ESTIMATORS", "LOSS_AGG_MODES", "REJECTION_MODES"}
+    constants = {"IMPORTANCE_SAMPLING_MODES", "KL_ESTIMATORS", "LOSS_AGG_MODES", "REJECTION_MODES"}
     assert set(F.__all__) == defined_in_modules | constants
     assert set(F.__all__) == {name for module in modules.values() for name in getattr(module, "__all__", [])}
     for name in F.__all__:
@@ -1231,3 +1231,43 @@ def test_logprobs_and_entropy_from_logits_empty_and_bad_arguments():
         F.logprobs_and_entropy_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 2), entropy_dtype=torch.long)
     with pytest.raises(ValueError, match="tokens must have the shape"):
         F.logprobs_and_entropy_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 3))
+
+
+# ---- truncated importance sampling (vLLM's sampling distribution vs the trained one) ---------------
+
+
+def test_truncated_importance_weights_by_hand():
+    # Two sequences; the second has one padding token. log pi - log q per token: [ln 2, ln 0.5, ln 4] and
+    # [ln 0.25, ln 8, (pad)]; cap 3.
+    ln = math.log
+    logprobs = torch.tensor([[ln(0.2), ln(0.1), ln(0.4)], [ln(0.05), ln(0.8), 123.0]])
+    sampling = torch.tensor([[ln(0.1), ln(0.2), ln(0.1)], [ln(0.2), ln(0.1), -7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    cases = {
+        "token_truncate": [[2.0, 0.5, 3.0], [0.25, 3.0, 0.0]],
+        "token_mask": [[2.0, 0.5, 0.0], [0.25, 0.0, 0.0]],
+        # sequence ratios: 2 * 0.5 * 4 = 4 and 0.25 * 8 = 2 (the pad token ignored)
+        "sequence_truncate": [[3.0], [2.0]],
+        "sequence_mask": [[0.0], [2.0]],
+    }
+    for mode, expected in cases.items():
+        weights = F.truncated_importance_weights(logprobs, sampling, mask, 3.0, mode)
+        torch.testing.assert_close(weights, torch.tensor(expected), rtol=1e-5, atol=1e-6, msg=mode)
+        assert weights.dtype == torch.float32 and not weights.requires_grad
+
+
+def test_truncated_importance_weights_are_one_when_the_distributions_agree():
+    logprobs = torch.randn(4, 6).log_softmax(-1)
+    mask = torch.rand(4, 6) > 0.3
+    for mode in F.IMPORTANCE_SAMPLING_MODES:
+        weights = F.truncated_importance_weights(logprobs, logprobs.clone(), mask, 2.0, mode)
+        expected = mask.float() if mode.startswith("token") else torch.ones(4, 1)
+        torch.testing.assert_close(weights, expected)
+
+
+def test_truncated_importance_weights_refuse_bad_arguments():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="unknown importance sampling mode 'token'"):
+        F.truncated_importance_weights(x, x, x, 2.0, "token")
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        F.truncated_importance_weights(x, x, x, 0.0, "token_truncate")

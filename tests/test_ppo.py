@@ -18,7 +18,7 @@ from transformers import (
     TrainerCallback,
 )
 
-from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, TFStyleAdam
+from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, TFStyleAdam
 from rlhf_trainers import functional as F
 from rlhf_trainers.onpolicy.checkpoint import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
 from rlhf_trainers.testing import true_reward
@@ -110,31 +110,6 @@ def test_learns_the_hidden_reward_with_a_reward_function(kit, tmp_path):
     assert seconds < 180
     logged = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert logged[-1]["objective/scores"] > logged[0]["objective/scores"]
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(kit, tmp_path_factory):
-    """A reward model trained by RewardTrainer on the synthetic preferences (saved with its tokenizer)."""
-    out = tmp_path_factory.mktemp("rm")
-    trainer = RewardTrainer(
-        model=str(kit.model_path("llama-sft")),
-        args=RewardConfig(
-            output_dir=str(out),
-            per_device_train_batch_size=32,
-            learning_rate=3e-3,
-            num_train_epochs=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            seed=0,
-            max_length=64,
-            disable_tqdm=True,
-        ),
-        train_dataset=kit.preference_dataset("train"),
-    )
-    trainer.train()
-    trainer.save_model(str(out))
-    return out
 
 
 @pytest.mark.slow

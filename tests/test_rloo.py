@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from rlhf_trainers import PPOConfig, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
+from rlhf_trainers import PPOConfig, RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
 from rlhf_trainers.onpolicy.checkpoint import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
 from rlhf_trainers.onpolicy.rollout import Advantages, Rollout
@@ -115,31 +115,6 @@ def test_learns_the_hidden_reward_with_a_reward_function(kit, tmp_path):
     assert seconds < 180
     logged = [h for h in trainer.state.log_history if "objective/rlhf_reward" in h]
     assert logged[-1]["objective/rlhf_reward"] > logged[0]["objective/rlhf_reward"]
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(kit, tmp_path_factory):
-    """A reward model trained by RewardTrainer on the synthetic preferences (saved with its tokenizer)."""
-    out = tmp_path_factory.mktemp("rm")
-    trainer = RewardTrainer(
-        model=str(kit.model_path("llama-sft")),
-        args=RewardConfig(
-            output_dir=str(out),
-            per_device_train_batch_size=32,
-            learning_rate=3e-3,
-            num_train_epochs=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            seed=0,
-            max_length=64,
-            disable_tqdm=True,
-        ),
-        train_dataset=kit.preference_dataset("train"),
-    )
-    trainer.train()
-    trainer.save_model(str(out))
-    return out
 
 
 @pytest.mark.slow
@@ -373,6 +348,26 @@ def test_peft_reference_is_the_adapter_disabled_policy_with_one_base_copy(kit, t
     assert torch.allclose(ref, expected, atol=1e-5)
     trainer.save_model()
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_a_new_adapter_starts_from_the_configs_seed(kit, tmp_path):
+    """peft_config's adapter is initialised from ``seed`` (it is drawn before Trainer seeds the process), so
+    two runs with one seed start alike whatever the process's random state was."""
+    from peft import LoraConfig
+
+    def adapter(seed):
+        torch.manual_seed(1000 + len(calls))  # the process's random state differs at every call
+        calls.append(seed)
+        trainer = _trainer(
+            kit, tmp_path / str(seed), seed=seed, peft_config=LoraConfig(target_modules=["q_proj"])
+        )
+        return {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if "lora_A" in n}
+
+    calls: list[int] = []
+    first, again, other = adapter(0), adapter(0), adapter(1)
+    assert first.keys() == again.keys() and first
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert any(not torch.equal(first[n], other[n]) for n in first)
 
 
 def test_three_models_and_no_value_model(kit, tmp_path):

@@ -38,7 +38,7 @@ The math of the reference implementations:
 :mod:`~rlhf_trainers.functional.reward_shaping` -- reward scaling, shaping and normalization
     :func:`scale_rewards`, :func:`overlong_penalty`, :func:`normalize_rewards_gain_bias`.
 :mod:`~rlhf_trainers.functional.losses` -- losses
-    :func:`clipped_policy_loss`, :func:`clipped_value_loss`.
+    :func:`clipped_policy_loss`, :func:`clipped_value_loss`, :func:`truncated_importance_weights`.
 
 Apart from it, how log-probabilities are computed without large temporaries:
 
@@ -58,7 +58,13 @@ from .logprob_kernels import (
     logprobs_and_entropy_from_logits,
     logprobs_from_logits,
 )
-from .losses import LOSS_AGG_MODES, clipped_policy_loss, clipped_value_loss
+from .losses import (
+    IMPORTANCE_SAMPLING_MODES,
+    LOSS_AGG_MODES,
+    clipped_policy_loss,
+    clipped_value_loss,
+    truncated_importance_weights,
+)
 from .responses import (
     REJECTION_MODES,
     apply_rejection_penalty,
@@ -72,6 +78,7 @@ from .reward_shaping import normalize_rewards_gain_bias, overlong_penalty, scale
 from .stats import explained_variance, masked_mean, masked_moments, masked_var, whiten
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "REJECTION_MODES",
@@ -99,5 +106,6 @@ __all__ = [
     "scale_rewards",
     "stop_token_found",
     "truncate_response",
+    "truncated_importance_weights",
     "whiten",
 ]

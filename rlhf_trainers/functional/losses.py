@@ -11,10 +11,62 @@ from torch import Tensor
 from ._common import _valid, _work_dtype, _zero_invalid
 from .stats import masked_mean, masked_var
 
-__all__ = ["LOSS_AGG_MODES", "clipped_policy_loss", "clipped_value_loss"]
+__all__ = [
+    "IMPORTANCE_SAMPLING_MODES",
+    "LOSS_AGG_MODES",
+    "clipped_policy_loss",
+    "clipped_value_loss",
+    "truncated_importance_weights",
+]
 
 #: Valid ``loss_agg_mode`` names of :func:`clipped_policy_loss` / :func:`clipped_value_loss`.
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+#: Valid ``mode`` names of :func:`truncated_importance_weights`.
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def truncated_importance_weights(
+    logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, cap: float, mode: str
+) -> Tensor:
+    """Bounded importance weights ``pi(y) / q(y)`` between the distribution being trained (``logprobs``, the
+    trainer's forward pass) and the one the tokens were sampled from (``sampling_logprobs``, e.g. vLLM's),
+    truncated importance sampling (TIS) for the mismatch between a generation engine and the trainer.
+
+    Token modes use the per-token ratio ``r_t = exp(logprobs_t - sampling_logprobs_t)``; sequence modes
+    use the sequence ratio ``exp(sum_t (logprobs_t - sampling_logprobs_t))`` over the valid tokens (the
+    product of the token ratios). ``*_truncate`` bounds a ratio by ``min(r, cap)``; ``*_mask`` keeps it
+    where ``r <= cap`` and sets it to 0 above (the token or sequence drops out of the loss).
+
+    Args:
+        logprobs: (B, T) log-probs of the sampled tokens under the trained policy.
+        sampling_logprobs: (B, T) their log-probs under the sampling distribution.
+        mask: (B, T) valid tokens.
+        cap: the bound C (> 0).
+        mode: one of :data:`IMPORTANCE_SAMPLING_MODES`.
+
+    Returns:
+        Detached float32 weights: (B, T) for token modes (0 at invalid tokens), (B, 1) for sequence modes.
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(
+            f"unknown importance sampling mode {mode!r}; expected one of {IMPORTANCE_SAMPLING_MODES}."
+        )
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}.")
+    valid = _valid(mask, logprobs)
+    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs.detach().float() - sampling_logprobs.detach().float(), zero)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)
+    ratio = log_ratio.exp()
+    if mode.endswith("truncate"):
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where(ratio <= cap, ratio, zero)
+    if mode.startswith("token"):
+        weights = torch.where(valid, weights, zero)
+    return weights
 
 
 def _aggregate(per_token: Tensor, valid: Tensor, mode: str, denominator: float | Tensor | None) -> Tensor:

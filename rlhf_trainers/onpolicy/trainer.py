@@ -335,8 +335,12 @@ class OnPolicyTrainer(
     # ---- subclass hooks ---------------------------------------------------------------------------
 
     completions_per_prompt: int = 1
-    #: Whether the rollout keeps the generation's own log-probs (``Rollout.generation_logprobs``).
-    needs_generation_logprobs: bool = False
+
+    @property
+    def needs_generation_logprobs(self) -> bool:
+        """Whether the rollout keeps the generation's own log-probs (``Rollout.generation_logprobs``):
+        with ``use_vllm`` (the mismatch metrics and importance weights); subclasses add their reasons."""
+        return bool(self.args.use_vllm)
 
     def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
         """Step 6: the advantages of ``rollout`` (and what else the loss reads, e.g. PPO's returns).
@@ -577,6 +581,48 @@ class OnPolicyTrainer(
             metrics[f"objective/scores/{name}"] = (
                 float(values[finite].mean()) if finite.any() else float("nan")
             )
+        if self.args.use_vllm and rollout.generation_logprobs is not None:
+            metrics.update(self._sampling_mismatch_metrics(rollout))
+        return metrics
+
+    def _sampling_mismatch_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """How far vLLM's sampling distribution is from the trained one, over the valid response tokens of
+        all processes (TRL's ``sampling/*`` names): the mean and max of |logp_train - logp_vllm|, a k3
+        estimate of KL(pi_vllm || pi_train) (the tokens were sampled from vLLM), the importance weights
+        (after the cap) and the seconds of the last weight sync."""
+        mask = rollout.response_mask
+        diff = (rollout.logprobs - rollout.generation_logprobs).float()[mask]
+        k3 = (diff.exp() - 1) - diff
+        weights = rollout.sampling_weights
+        if weights is None:
+            w = diff.new_zeros(0)
+        elif weights.shape == mask.shape:  # per token
+            w = weights[mask].float()
+        else:  # per sequence
+            w = weights[rollout.valid_rows].reshape(-1).float()
+        count = diff.new_tensor(float(diff.numel()))
+        sums = torch.stack([count, diff.abs().sum(), k3.sum(), w.sum(), w.new_tensor(float(w.numel()))])
+        sums = self._all_reduce(sums.double().to(self.accelerator.device)).cpu()
+        big = torch.finfo(torch.float32).max
+        extremes = torch.stack(
+            [
+                diff.abs().max() if diff.numel() else diff.new_tensor(0.0),
+                -w.min() if w.numel() else w.new_tensor(-big),
+                w.max() if w.numel() else w.new_tensor(-big),
+            ]
+        )
+        top = self._gather(extremes.reshape(1, 3).to(self.accelerator.device)).max(0).values.cpu()
+        n = float(sums[0])
+        metrics = {
+            "sampling/sampling_logp_difference/mean": float(sums[1]) / n if n else 0.0,
+            "sampling/sampling_logp_difference/max": float(top[0]),
+            "sampling/kl_vllm_train": float(sums[2]) / n if n else 0.0,
+            "timing/weight_sync": float(getattr(self.generation_backend, "last_sync_seconds", 0.0)),
+        }
+        if weights is not None and float(sums[4]) > 0:
+            metrics["sampling/importance_sampling_ratio/min"] = -float(top[1])
+            metrics["sampling/importance_sampling_ratio/max"] = float(top[2])
+            metrics["sampling/importance_sampling_ratio/mean"] = float(sums[3] / sums[4])
         return metrics
 
     # ---- train -----------------------------------------------------------------------------------

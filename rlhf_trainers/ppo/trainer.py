@@ -170,10 +170,14 @@ class PPOTrainer(OnPolicyTrainer):
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped policy loss plus ``vf_coef`` x clipped value loss; the value loss alone (the policy term
-        with weight 0) during ``critic_warmup_steps``."""
+        """Clipped policy loss (each token weighted by the rollout's vLLM importance weights, if any) plus
+        ``vf_coef`` x clipped value loss; the value loss alone (the policy term with weight 0) during
+        ``critic_warmup_steps``."""
         args = self.args
         mask = rollout.response_mask[rows]
+        weights = rollout.sampling_weights[rows] if rollout.sampling_weights is not None else None
+        if weights is not None and weights.shape != mask.shape:  # a sequence mode: its ratio at every token
+            weights = weights.expand_as(mask)
         pg_loss, pm = F.clipped_policy_loss(
             logprobs,
             rollout.logprobs[rows],
@@ -183,6 +187,7 @@ class PPOTrainer(OnPolicyTrainer):
             clip_high=args.cliprange_high,
             dual_clip=args.dual_clip,
             loss_agg_mode=args.loss_agg_mode,
+            importance_weights=weights,
         )
         assert values is not None, "PPO's loss needs the value model's values"
         vf_loss, vm = F.clipped_value_loss(

@@ -27,6 +27,7 @@ from ..models import (
     has_peft_adapter,
     load_reward_model,
     require_peft,
+    seeded,
     set_reward_normalization,
     tokenizer_of,
     write_reward_normalization,
@@ -138,7 +139,8 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
             disable_dropout(model)
         self.head_is_new = head_is_new
         if peft_config is not None:
-            model = _wrap_peft(model, peft_config)
+            with seeded(args.seed):  # the adapter's initial weights follow the config's seed
+                model = _wrap_peft(model, peft_config)
 
         self.preprocessing_stats: dict[str, PreferenceTokenizationStats] = {}
         train_dataset, eval_dataset = self._tokenize_datasets(

@@ -60,6 +60,11 @@ class RLOOConfig(OnPolicyConfig):
             raise ValueError(
                 f"truncated_is_cap={self.truncated_is_cap}: expected a cap >= 1 (e.g. 2.0), or None."
             )
+        if self.truncated_is_cap is not None and self.use_vllm:
+            raise ValueError(
+                "truncated_is_cap with use_vllm=True: with vLLM the importance-sampling correction is "
+                "vllm_importance_sampling_correction / _mode / _cap (on by default); drop truncated_is_cap."
+            )
         if self.truncated_is_cap is not None and self.rollout_logprobs == "generation":
             raise ValueError(
                 "truncated_is_cap with rollout_logprobs='generation': the correction weighs the training "

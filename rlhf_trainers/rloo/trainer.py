@@ -124,7 +124,7 @@ class RLOOTrainer(OnPolicyTrainer):
 
     @property
     def needs_generation_logprobs(self) -> bool:  # type: ignore[override]
-        return self.args.truncated_is_cap is not None
+        return self.args.truncated_is_cap is not None or super().needs_generation_logprobs
 
     def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
         """Leave-one-out advantages over the k completions of each prompt: of the sequence reward
@@ -154,6 +154,21 @@ class RLOOTrainer(OnPolicyTrainer):
             if not args.token_level_kl:
                 difference = difference.sum(1, keepdim=True)
             weights = difference.exp().clamp(max=args.truncated_is_cap)
+        elif rollout.sampling_weights is not None:
+            # vLLM's sampling distribution vs the trained one (vllm_importance_sampling_*): the sequence
+            # ratio for the sequence-level loss, else the rollout's weights (per token, or per sequence).
+            weights = rollout.sampling_weights
+            if not args.token_level_kl and weights.shape[1] != 1:
+                constraint = args.vllm_importance_sampling_mode.split("_", 1)[1]
+                weights = F.truncated_importance_weights(
+                    rollout.logprobs,
+                    rollout.generation_logprobs,
+                    mask,
+                    args.vllm_importance_sampling_cap,
+                    f"sequence_{constraint}",
+                )
+            elif args.token_level_kl and weights.shape[1] == 1:
+                weights = weights.expand_as(mask).masked_fill(~mask, 0.0)
         return Advantages(advantages=advantages, rlhf_reward=rlhf_reward, importance_weights=weights)
 
     def compute_policy_loss(

@@ -97,7 +97,14 @@ def _wrap_tokenizer(tokenizer: Any) -> PreTrainedTokenizerFast:
 # --------------------------------------------------------------------------------------------------
 
 #: Model names, by kind.
-CAUSAL_MODEL_NAMES: tuple[str, ...] = ("llama", "gpt2", "gpt_neox", "llama-sft")
+CAUSAL_MODEL_NAMES: tuple[str, ...] = (
+    "llama",
+    "gpt2",
+    "gpt_neox",
+    "llama-sft",
+    "llama-hd32",
+    "llama-hd32-sft",
+)
 SEQ_CLS_MODEL_NAMES: tuple[str, ...] = ("llama-seqcls", "gpt2-seqcls", "gpt2-alt-seqcls")
 MODEL_NAMES: tuple[str, ...] = CAUSAL_MODEL_NAMES + SEQ_CLS_MODEL_NAMES
 
@@ -117,6 +124,7 @@ _MODEL_SEEDS = {
     "llama-seqcls": 14,
     "gpt2-seqcls": 15,
     "gpt2-alt-seqcls": 16,
+    "llama-hd32": 18,
 }
 
 # SFT of llama -> llama-sft: next-token loss on the corpus, a quarter of it chat-formatted.
@@ -137,12 +145,14 @@ def _base_config(kind: str, tokenizer: PreTrainedTokenizerFast) -> Any:
         "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": tokenizer.bos_token_id,
     }
-    if kind == "llama":
+    if kind in ("llama", "llama-hd32"):
+        # llama-hd32: the same size with head size 32 instead of 16 (vLLM's CPU attention needs >= 32).
+        heads, kv_heads = (4, 2) if kind == "llama" else (2, 1)
         return LlamaConfig(
             hidden_size=64,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             intermediate_size=128,
             max_position_embeddings=_MAX_POSITIONS,
             tie_word_embeddings=True,
@@ -322,8 +332,9 @@ def _build_assets(dest: Path, timings: dict[str, float], models: dict[str, dict[
 
     causal = "AutoModelForCausalLM"
     seq_cls = "AutoModelForSequenceClassification"
-    configs = {kind: _base_config(kind, tokenizer) for kind in ("llama", "gpt2", "gpt_neox")}
-    for kind in ("llama", "gpt2", "gpt_neox"):
+    kinds = ("llama", "gpt2", "gpt_neox", "llama-hd32")
+    configs = {kind: _base_config(kind, tokenizer) for kind in kinds}
+    for kind in kinds:
         with _timed(timings, kind):
             save(kind, _init_model(causal, configs[kind], _MODEL_SEEDS[kind]), tokenizer, causal)
 
@@ -334,6 +345,12 @@ def _build_assets(dest: Path, timings: dict[str, float], models: dict[str, dict[
         held_out = _sft_examples(tokenizer, _generate_corpus(_DATA_SEEDS["test"], 256, split="test"))
         stats["sft_eval_loss"] = _eval_loss(sft, held_out, tokenizer.pad_token_id)
         save("llama-sft", sft, tokenizer, causal)
+    with _timed(timings, "llama-hd32-sft"):
+        sft_hd32 = transformers.AutoModelForCausalLM.from_pretrained(dest / "models" / "llama-hd32")
+        stats_hd32 = _train_sft(sft_hd32, examples, tokenizer.pad_token_id)
+        stats["hd32_sft_final_loss"] = stats_hd32["sft_final_loss"]
+        stats["hd32_sft_eval_loss"] = _eval_loss(sft_hd32, held_out, tokenizer.pad_token_id)
+        save("llama-hd32-sft", sft_hd32, tokenizer, causal)
 
     with _timed(timings, "llama-seqcls"):
         model = _init_model(seq_cls, _seq_cls_config(configs["llama"]), _MODEL_SEEDS["llama-seqcls"])

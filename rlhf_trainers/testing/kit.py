@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 #: Bump when the assets change in a way users of an existing cache should not miss.
-KIT_VERSION = "1"
+KIT_VERSION = "2"
 
 _MANIFEST = "kit.json"
 

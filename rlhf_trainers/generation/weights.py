@@ -1,0 +1,126 @@
+"""The policy's weights as an inference engine loads them: checkpoint names, adapters merged.
+
+:func:`inference_weights` walks the policy module by module and yields ``(name, tensor)`` pairs under the
+names ``save_pretrained`` writes (what vLLM's loaders read). A LoRA layer (PEFT, or an adapter loaded into a
+transformers model) yields its base weight with the active adapters' delta added, computed for that one
+layer at a time, so no second full copy of the model ever exists; under ZeRO-3 each module's parameters
+are gathered only while that module is read. Tied weights (e.g. an lm head tied to the input embedding)
+appear once, under the first name, as in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..distributed import gathered
+
+__all__ = ["inference_weights", "untied_by_adapters"]
+
+
+def _lora_layer_types() -> tuple[type, ...]:
+    if "peft" not in sys.modules:  # never imported: no LoRA layer can exist
+        return ()
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - a broken install
+        return ()
+    return (LoraLayer,)
+
+
+def _modules_to_save_types() -> tuple[type, ...]:
+    if "peft" not in sys.modules:
+        return ()
+    try:
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:  # pragma: no cover
+        return ()
+    return (ModulesToSaveWrapper,)
+
+
+def _checkpoint_root(model: nn.Module) -> nn.Module:
+    """The transformers model whose parameter names are the checkpoint's (the base of a PEFT model)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _merged_lora_weight(layer: nn.Module) -> torch.Tensor:
+    """``layer.base_layer.weight`` plus the delta of every active, unmerged adapter (a new tensor)."""
+    base = layer.get_base_layer()
+    weight = base.weight.detach().clone()
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
+        return weight  # adapters off, or already merged into the base weight
+    for adapter in layer.active_adapters:
+        if adapter in getattr(layer, "lora_A", {}):
+            weight += layer.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
+@torch.no_grad()
+def inference_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the checkpoint-named weights of ``model`` (a transformers model, or a PEFT model around one),
+    LoRA adapters merged in, one module at a time (ZeRO-3: gathered per module, a collective).
+
+    The tensors are detached; those of merged and gathered modules are new tensors, the others share
+    storage with the model (read them before the next optimizer step).
+    """
+    root = _checkpoint_root(model)
+    lora_types = _lora_layer_types()
+    wrapper_types = _modules_to_save_types()
+    seen: set[int] = set()
+    skip_prefixes: list[str] = []
+
+    def emit(name: str, tensor: torch.Tensor, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if id(param) in seen:
+            return
+        seen.add(id(param))
+        yield name, tensor
+
+    for module_name, module in root.named_modules():
+        if any(module_name.startswith(prefix) for prefix in skip_prefixes):
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        if lora_types and isinstance(module, lora_types):
+            skip_prefixes.append(prefix)
+            base = module.get_base_layer()
+            with gathered(module):
+                # Always emitted: the merged weight is the module's own even where the base weight is
+                # tied to another (an adapter on a tied lm head unties it; see untied_by_adapters).
+                yield f"{prefix}weight", _merged_lora_weight(module)
+                bias = getattr(base, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    yield from emit(f"{prefix}bias", bias.detach().clone(), bias)
+            continue
+        if wrapper_types and isinstance(module, wrapper_types):
+            # PEFT's modules_to_save: the trained copy replaces the original under the original's names.
+            skip_prefixes.append(prefix)
+            names = [a for a in module.active_adapters if a in module.modules_to_save]
+            use_copy = names and not module.disable_adapters
+            source = module.modules_to_save[names[0]] if use_copy else module.original_module
+            with gathered(source):
+                for name, param in source.named_parameters():
+                    yield from emit(f"{prefix}{name}", param.detach().clone(), param)
+            continue
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        partitioned = any(hasattr(p, "ds_id") for _, p in params)
+        with gathered(*[p for _, p in params]):
+            for name, param in params:
+                tensor = param.detach()
+                yield from emit(f"{prefix}{name}", tensor.clone() if partitioned else tensor, param)
+
+
+def untied_by_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` ties its output embedding to its input embedding (``tie_word_embeddings``) but
+    carries a LoRA adapter on the output embedding, so that the merged lm head differs from the
+    embedding and an inference engine must hold them as two weights."""
+    root = _checkpoint_root(model)
+    if not getattr(getattr(root, "config", None), "tie_word_embeddings", False):
+        return False
+    lora_types = _lora_layer_types()
+    head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
+    return bool(lora_types) and isinstance(head, lora_types)

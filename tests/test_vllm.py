@@ -1,0 +1,311 @@
+"""``use_vllm=True``: generation by a colocated vLLM engine (rlhf_trainers.generation.vllm_colocated).
+
+These tests need vLLM. Where the test interpreter has none (the main environment: vLLM's CPU build pins
+another transformers), ``tests/test_vllm_env.py`` runs this module in the vLLM environment that
+:func:`rlhf_trainers.testing.vllm_env.vllm_python` builds, so the README's test command runs them on any
+machine. The policy is the kit's ``llama-hd32-sft`` (head size 32: vLLM's CPU attention refuses 16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_rloo import LEARN as RLOO_LEARN
+from test_rloo import StopAt
+
+from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+from rlhf_trainers.onpolicy.forward import response_logprobs
+from rlhf_trainers.testing import true_reward
+
+pytestmark = pytest.mark.vllm
+
+POLICY = "llama-hd32-sft"
+#: LoRA on attention and on the lm head, which the kit model ties to its input embedding.
+LORA_TARGETS = ["q_proj", "v_proj", "lm_head"]
+LEARN = {k: v for k, v in RLOO_LEARN.items() if k != "rloo_k"}  # the kit-learning settings, both trainers
+
+
+def _config(cls, tmp_path, **overrides):
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "num_mini_batches": 1,
+        "num_ppo_epochs": 1,
+        "response_length": 8,
+        "temperature": 1.0,
+        "learning_rate": 1e-3,
+        "max_steps": 2,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "num_sample_generations": 0,
+        "disable_tqdm": True,
+        "use_vllm": True,
+    }
+    if cls is RLOOConfig:
+        fields["rloo_k"] = 4
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def _trainer(kit, tmp_path, trainer_cls=RLOOTrainer, *, train_n=64, eval_n=None, model=POLICY, **kwargs):
+    config_cls = RLOOConfig if trainer_cls is RLOOTrainer else PPOConfig
+    trainer_kwargs = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in ("reward_model", "peft_config", "callbacks")
+    }
+    # The hidden true reward: the reward, or, beside a reward model, logged only (weight 0).
+    trainer_kwargs["reward_funcs"] = [true_reward]
+    if "reward_model" in trainer_kwargs:
+        kwargs["reward_weights"] = [1.0, 0.0]
+    return trainer_cls(
+        model=kit.load_model(model) if isinstance(model, str) else model,
+        processing_class=kit.load_tokenizer(),
+        args=_config(config_cls, tmp_path, **kwargs),
+        train_dataset=kit.prompt_dataset("train", n=train_n),
+        eval_dataset=kit.prompt_dataset("test", n=eval_n) if eval_n else None,
+        **trainer_kwargs,
+    )
+
+
+def _forward_logprobs(trainer, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    positions = torch.arange(ids.shape[1])[None, :]
+    with torch.no_grad():
+        logprobs, _ = response_logprobs(
+            trainer.policy,
+            ids,
+            mask,
+            positions,
+            torch.tensor([completion]),
+            trainer._logprob_options(),
+            fused_head=trainer._fused_policy,
+        )
+    return logprobs[0].float()
+
+
+# ---- the engine follows the policy ----------------------------------------------------------------
+
+
+def test_weight_sync_makes_vllm_score_like_the_updated_policy(kit, tmp_path):
+    """After an update, vLLM's log-probs of a fixed completion equal the trainer's forward pass (fp32)
+    and differ from the ones before the update: the weights reached the engine (the tied embedding too)."""
+    trainer = _trainer(kit, tmp_path, learning_rate=3e-2, max_steps=1)
+    tok = kit.load_tokenizer()
+    prompt = tok("the movie was", add_special_tokens=False)["input_ids"]
+    completion = tok(" really great and warm .", add_special_tokens=False)["input_ids"]
+    backend = trainer.generation_backend
+    before_vllm = backend.completion_logprobs([prompt], [completion])[0]
+    before_forward = _forward_logprobs(trainer, prompt, completion)
+    torch.testing.assert_close(before_vllm, before_forward, atol=1e-4, rtol=0)
+    embedding_before = trainer.policy.get_input_embeddings().weight.detach().clone()
+
+    trainer.train()
+    assert not torch.equal(trainer.policy.get_input_embeddings().weight, embedding_before)
+    assert backend.is_stale()
+    after_vllm = backend.completion_logprobs([prompt], [completion])[0]
+    assert not backend.is_stale()
+    after_forward = _forward_logprobs(trainer, prompt, completion)
+    torch.testing.assert_close(after_vllm, after_forward, atol=1e-4, rtol=0)
+    assert (after_vllm - before_vllm).abs().max() > 1e-2
+    assert trainer.state.log_history[0]["timing/weight_sync"] >= 0
+
+
+def test_lora_adapter_is_merged_into_the_engine(kit, tmp_path):
+    """The adapter reaches the engine merged into the base weights, the one on the tied lm head too (the
+    engine is built with an untied head for it): after an update vLLM scores like the trainer."""
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    trainer = _trainer(kit, tmp_path, learning_rate=5e-2, max_steps=1, peft_config=peft_config)
+    tok = kit.load_tokenizer()
+    prompt = tok("my day was", add_special_tokens=False)["input_ids"]
+    completion = tok(" so sweet and kind .", add_special_tokens=False)["input_ids"]
+    before = trainer.generation_backend.completion_logprobs([prompt], [completion])[0]
+    trainer.train()
+    after = trainer.generation_backend.completion_logprobs([prompt], [completion])[0]
+    torch.testing.assert_close(after, _forward_logprobs(trainer, prompt, completion), atol=1e-4, rtol=0)
+    assert (after - before).abs().max() > 1e-2
+
+
+# ---- sampling -------------------------------------------------------------------------------------
+
+
+def test_sampling_follows_the_settings_and_the_torch_seed(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, response_length=10, temperature=0.7)
+    batch = trainer._prompt_batch(0)
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        return trainer.sample_responses(batch, copies=4, with_logprobs=True)
+
+    first, again, other = sample(1), sample(1), sample(2)
+    assert torch.equal(first.response, again.response)  # reproducible from torch's seed
+    assert not torch.equal(first.response, other.response)
+    b = batch["input_ids"].shape[0]
+    copies = first.response.reshape(4, b, -1)
+    assert any(not torch.equal(copies[0, i], copies[j, i]) for i in range(b) for j in range(1, 4))
+    assert first.response.shape == (4 * b, 10)
+    eos = kit.load_tokenizer().eos_token_id
+    pad = kit.load_tokenizer().pad_token_id
+    for row, length in zip(first.response, first.lengths, strict=True):
+        if length < 10:
+            assert row[length - 1] == eos  # stopped at the stop token, kept it
+            assert (row[length:] == pad).all()
+        assert (row[: length - 1] != eos).all()
+    # vLLM's log-probs are those of softmax(logits / temperature), as the trainer's forward computes them.
+    passes = trainer.rollout_logprobs(first)
+    mask = first.response_mask
+    torch.testing.assert_close(first.generation_logprobs[mask], passes.logprobs[mask], atol=1e-4, rtol=0)
+
+
+def test_building_the_engine_leaves_the_process_as_it_was(kit):
+    """vLLM seeds the global generators and, on CPU, replaces torch.set_num_threads; both are undone."""
+    import random
+
+    from rlhf_trainers.generation.vllm_colocated import VLLMColocated
+
+    torch.manual_seed(123)
+    random.seed(5)
+    state, python_state = torch.random.get_rng_state(), random.getstate()
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    backend = VLLMColocated(kit.load_model(POLICY), weights_version=lambda: 0, max_model_len=64, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert random.getstate() == python_state
+    assert torch.set_num_threads is set_num_threads
+    assert torch.get_num_threads() == threads
+    assert backend.syncs == 1 and not backend.is_stale()
+
+
+# ---- learning -------------------------------------------------------------------------------------
+
+
+def _learns(trainer, min_gain):
+    before = trainer.evaluate()["eval_objective/scores/true_reward"]
+    trainer.train()
+    after = trainer.evaluate()["eval_objective/scores/true_reward"]
+    assert after - before >= min_gain, (before, after)
+    logged = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
+    assert logged, "no mismatch metrics logged"
+    # fp32: vLLM samples from the trained distribution up to kernel rounding.
+    assert max(h["sampling/sampling_logp_difference/max"] for h in logged) < 1e-3
+    assert all(abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for h in logged)
+    return before, after
+
+
+def test_rloo_learns_with_a_reward_function(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, train_n=512, eval_n=96, max_steps=25, rloo_k=4, **LEARN)
+    _learns(trainer, 0.5)
+
+
+def test_ppo_learns_with_a_reward_model(kit, tmp_path, reward_model_dir):
+    trainer = _trainer(
+        kit,
+        tmp_path,
+        PPOTrainer,
+        train_n=512,
+        eval_n=96,
+        max_steps=25,
+        reward_model=str(reward_model_dir),
+        **LEARN,
+    )
+    rm_before = trainer.evaluate()["eval_objective/scores/reward_model"]
+    _learns(trainer, 0.5)
+    assert trainer.evaluate()["eval_objective/scores/reward_model"] > rm_before
+
+
+def test_ppo_learns_with_lora(kit, tmp_path):
+    """A LoRA adapter, on the tied lm head too (the engine then holds the merged head as a weight of its
+    own), learns; vLLM samples from the merged policy at every update. (Without an adapter on the tiny
+    model's lm head LoRA barely moves it, with either generation backend.)"""
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    trainer = _trainer(
+        kit, tmp_path, PPOTrainer, train_n=512, eval_n=96, max_steps=25, peft_config=peft_config, **LEARN
+    )
+    _learns(trainer, 0.5)
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+
+
+def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(kit, tmp_path):
+    """vLLM's samples follow torch's generator, which the checkpoint restores: a run interrupted after
+    update 2 and resumed logs updates 3 and 4 as the uninterrupted run does."""
+    settings = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "learning_rate": 5e-3, "seed": 3}
+    full = _trainer(kit, tmp_path / "full", PPOTrainer, **settings)
+    full.train()
+    interrupted = _trainer(kit, tmp_path / "part", PPOTrainer, callbacks=[StopAt(2)], **settings)
+    interrupted.train()
+    assert interrupted.state.global_step == 2
+    resumed = _trainer(kit, tmp_path / "part", PPOTrainer, **settings)
+    resumed.train(resume_from_checkpoint=True)
+
+    def update(trainer, step):
+        return next(h for h in trainer.state.log_history if h.get("step") == step and "objective/kl" in h)
+
+    for step in (3, 4):
+        a, b = update(full, step), update(resumed, step)
+        for key in (
+            "objective/scores",
+            "objective/kl",
+            "val/response_length",
+            "loss/policy_avg",
+            "loss/value_avg",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
+
+
+# ---- several processes -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("trainer", "deepspeed"),
+    [("rloo", None), pytest.param("ppo", "zero3", marks=pytest.mark.deepspeed)],
+    ids=["rloo-ddp", "ppo-zero3"],
+)
+def test_one_engine_per_process_learns_and_the_ranks_agree(tmp_path, trainer, deepspeed):
+    """2 CPU ranks, each with its own engine synced from its own policy (ZeRO-3: the shards gathered
+    module by module): the task is learned, both ranks end with the same weights, the engines sample
+    from the trained weights at every update, and the launch exits cleanly (vLLM's shutdown at exit used
+    to fail after the process group was torn down)."""
+    from distributed import check_launch, deepspeed_available, read_rank_results, run_script
+
+    if deepspeed and not deepspeed_available():
+        pytest.fail("DeepSpeed is not installed in the vLLM test environment")
+    updates = 15
+    out = tmp_path / "run"
+    args = ["--output_dir", out, "--trainer", trainer, "--max_steps", updates, "--num_eval_prompts", 64]
+    run_script("vllm_distributed.py", args, deepspeed=deepspeed, timeout=900)
+    results = read_rank_results(out)
+    check_launch(results, deepspeed, updates)
+    rank0, rank1 = results
+    assert rank0["policy_digest"] == rank1["policy_digest"] != rank0["policy_before"]
+    before = rank0["metrics_before"]["eval_objective/scores"]
+    after = rank0["metrics"]["eval_objective/scores"]
+    assert after - before >= 0.3, (before, after)
+    for r in results:
+        # At construction, before every update after the first, before the last evaluation; DDP's start
+        # (parameters broadcast in place) may add one.
+        assert updates + 1 <= r["syncs"] <= updates + 2, r["syncs"]
+        assert max(r["logp_diff_max"]) < 1e-3
+        assert all(abs(x - 1) < 1e-3 for x in r["is_ratio_mean"])
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def test_a_head_size_vllm_cannot_run_is_refused_at_construction(kit, tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)head size 16.*use_vllm=False"):
+        _trainer(kit, tmp_path, model="llama-sft")
+
+
+def test_a_context_longer_than_the_engine_is_refused_at_construction(kit, tmp_path):
+    with pytest.raises(ValueError, match="exceeds the vLLM engine's context of 10 tokens"):
+        _trainer(kit, tmp_path, vllm_max_model_length=10)
+    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
+        _trainer(kit, tmp_path, vllm_max_model_length=1000)
