@@ -2,8 +2,9 @@
 of generation and the episodes per second of a whole update, for PPO and RLOO, on this machine.
 
 The job is the RLVR ``word_count`` task of ``examples/rlvr.py`` with its defaults (LoRA r 16 on every
-linear layer, 32 completions per update: RLOO 8 prompts x 4, PPO 32 prompts; temperature 0.7; response
-length 32 tokens here, so that generation has some length to it), ``--updates`` updates per run. Each
+linear layer, lr 1e-3, temperature 0.7, one epoch of one mini-batch), ``--completions`` completions per
+update (RLOO: a quarter as many prompts x 4, PPO: one each) of exactly ``--response-length`` tokens (no
+stop token, so both backends generate the same number of tokens), ``--updates`` updates per run. Each
 (trainer, backend) run is a process of its own in the vLLM environment (vLLM's CPU build pins another
 transformers than the main environment: :mod:`rlhf_trainers.testing.vllm_env`), both backends in the same
 environment so that only the generation differs, one run at a time, with the torch threads of the machine.
@@ -34,7 +35,9 @@ TRAINERS = ("ppo", "rloo")
 BACKENDS = ("builtin", "vllm")
 
 
-def worker(trainer_name: str, backend: str, updates: int, response_length: int, seed: int) -> dict[str, Any]:
+def worker(
+    trainer_name: str, backend: str, updates: int, response_length: int, seed: int, completions: int
+) -> dict[str, Any]:
     """One run in this process; its per-update timings."""
     import torch
     from peft import LoraConfig
@@ -45,7 +48,10 @@ def worker(trainer_name: str, backend: str, updates: int, response_length: int, 
 
     common: dict[str, Any] = {
         "output_dir": f"/tmp/vllm-bench-{trainer_name}-{backend}",
-        "per_device_train_batch_size": 32,
+        "per_device_train_batch_size": completions,
+        # Every completion is response_length tokens (no stop token): both backends generate the same
+        # number of tokens, so their generation seconds compare directly.
+        "stop_token": None,
         "num_mini_batches": 1,
         "num_ppo_epochs": 1,
         "learning_rate": 1e-3,
@@ -61,7 +67,7 @@ def worker(trainer_name: str, backend: str, updates: int, response_length: int, 
         "seed": seed,
         "disable_tqdm": True,
         "use_vllm": backend == "vllm",
-        "local_rollout_forward_batch_size": 32,
+        "local_rollout_forward_batch_size": completions,
     }
     config = RLOOConfig(rloo_k=4, **common) if trainer_name == "rloo" else PPOConfig(**common)
     trainer_cls = RLOOTrainer if trainer_name == "rloo" else PPOTrainer
@@ -119,7 +125,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--updates", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument(
+        "--completions", type=int, default=32, help="completions per update (RLOO: / 4 prompts)"
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument(
@@ -128,7 +138,9 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("TRAINER", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = worker(args.worker[0], args.worker[1], args.updates, args.response_length, args.seed)
+        result = worker(
+            args.worker[0], args.worker[1], args.updates, args.response_length, args.seed, args.completions
+        )
         print("RESULT " + json.dumps(result))
         return
 
@@ -140,11 +152,14 @@ def main() -> None:
         env.pop("OMP_NUM_THREADS", None)  # the machine's threads: a benchmark, not a test
     else:
         python, env = args.python, dict(os.environ, PYTHONPATH=str(ROOT))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     runs = []
     for trainer_name in args.trainers:
         for backend in BACKENDS:
             command = [python, __file__, "--worker", trainer_name, backend, "--updates", str(args.updates)]
             command += ["--response-length", str(args.response_length), "--seed", str(args.seed)]
+            command += ["--completions", str(args.completions)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not lines:
@@ -174,7 +189,10 @@ def main() -> None:
         "ratios": ratios,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"vllm_generation_{device}.json"
+    suffix = f"_{args.completions}x{args.response_length}" + (
+        f"_{args.threads}thread" if args.threads else ""
+    )
+    path = args.out / f"vllm_generation_{device}{suffix}.json"
     path.write_text(json.dumps(result, indent=1))
     lines = [
         "| trainer | backend | generation s / update | update s | episodes/s | weight sync s | max abs logp diff |",
