@@ -40,6 +40,24 @@ def test_defaults_depend_on_the_model_and_explicit_flags_win():
     assert (quick.ppo_updates, quick.rloo_updates, quick.sft_steps) == (7, 4, 60)
 
 
+def test_smollm2_ppo_policy_learns_at_twice_the_rate_and_its_value_model_at_it(tmp_path):
+    from types import SimpleNamespace
+
+    from rlhf_trainers.demo.run import SMOLLM2_PPO_LR_FACTOR, _onpolicy_config
+
+    for model in ("kit", "smollm2"):
+        args = DemoArguments(model=model, learning_rate=3e-4)
+        task = SimpleNamespace(name=model)
+        ppo = _onpolicy_config("ppo", task, args, tmp_path / "ppo")
+        rloo = _onpolicy_config("rloo", task, args, tmp_path / "rloo")
+        assert rloo.learning_rate == 3e-4, model
+        if model == "kit":
+            assert ppo.learning_rate == 3e-4 and ppo.critic_learning_rate is None
+        else:
+            assert ppo.learning_rate == pytest.approx(3e-4 * SMOLLM2_PPO_LR_FACTOR) == 6e-4
+            assert ppo.critic_learning_rate == 3e-4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

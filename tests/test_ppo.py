@@ -242,6 +242,34 @@ def test_value_model_from_the_reward_model(kit, tmp_path):
         _trainer(kit, tmp_path, value_model_init="reward_model")
 
 
+def test_a_value_model_from_a_normalized_reward_model_starts_in_normalized_units(kit, tmp_path):
+    """LHPD's value head starts from the reward model's normalized output: the values of a value model
+    copied from a reward model with gain g and bias b are g * raw + b, like the rewards PPO optimises."""
+    from rlhf_trainers.models import set_reward_normalization
+    from rlhf_trainers.onpolicy.forward import token_values
+
+    rm = kit.load_model("llama-seqcls")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    mask = torch.ones_like(ids)
+    positions = torch.arange(5)[None, :]
+    with torch.no_grad():
+        raw = token_values(rm, ids, mask, positions)
+    set_reward_normalization(rm, 0.25, -1.5)
+    trainer = _trainer(kit, tmp_path, reward_model=rm, value_model_init="reward_model")
+    with torch.no_grad():
+        values = token_values(trainer.value_model, ids, mask, positions)
+        reward_scores = trainer.reward_sources(
+            query_response_ids=ids,
+            prompts=["x"],
+            completions=["y"],
+            columns={},
+            reward_model_forward=trainer._reward_forward,
+        )[0]
+    torch.testing.assert_close(values, raw * 0.25 - 1.5)
+    # The last token's value is the reward model's (normalized) score of the sequence.
+    torch.testing.assert_close(values[0, -1], reward_scores[0].to(values.dtype), atol=1e-5, rtol=1e-5)
+
+
 def test_reward_model_with_a_different_tokenizer(kit, tmp_path):
     trainer = _trainer(
         kit,

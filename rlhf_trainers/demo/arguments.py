@@ -105,7 +105,10 @@ class DemoArguments:
     rloo_k: int = field(default=4, metadata={"help": "RLOO completions per prompt (>= 2)."})
     learning_rate: float | None = field(
         default=None,
-        metadata={"help": "Policy learning rate of PPO and RLOO. Default: 2e-3 (kit), 5e-4 (smollm2, LoRA)."},
+        metadata={
+            "help": "Policy learning rate of PPO and RLOO. Default: 2e-3 (kit), 5e-4 (smollm2, LoRA). With smollm2, "
+            "PPO's policy learns at twice it and its value model at it (see docs/demo.md)."
+        },
     )
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (beta) of PPO and RLOO."})
     temperature: float | None = field(

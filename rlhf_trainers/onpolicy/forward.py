@@ -194,8 +194,13 @@ def token_values(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:
     """Per-token outputs (B, T) of a one-label sequence-classification model: its head applied to every
-    hidden state, not only the last one (the value of each prefix)."""
-    from ..models import find_score_head
+    hidden state, not only the last one (the value of each prefix), with the reward normalization its
+    config stores (``raw * gain + bias``; none for a value model built from the policy). A value model
+    initialised from a normalized reward model (``value_model_init='reward_model'``, LHPD) thus starts in the
+    units of the rewards PPO optimises, as LHPD's value head starts from the reward model's normalized
+    output, instead of the raw score (measured on the SmolLM2 demo's reward model, gain 0.148 and bias
+    -1.007: first values 7x too large, first value loss 47)."""
+    from ..models import find_score_head, get_reward_normalization
 
     base = _base(model)
     backbone = getattr(base, base.base_model_prefix)
@@ -203,7 +208,11 @@ def token_values(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state
     head_name, _ = find_score_head(base)
-    return getattr(base, head_name)(hidden).squeeze(-1)
+    values = getattr(base, head_name)(hidden).squeeze(-1)
+    gain, bias = get_reward_normalization(base)
+    if (gain, bias) != (1.0, 0.0):
+        values = values * gain + bias
+    return values
 
 
 def column_bounds(query_start: torch.Tensor, response_end: torch.Tensor, query_width: int) -> tuple[int, int]:
