@@ -178,6 +178,24 @@ def test_building_the_engine_leaves_the_process_as_it_was(kit):
     assert backend.syncs == 1 and not backend.is_stale()
 
 
+def test_a_rollout_larger_than_one_engine_step_samples(kit):
+    """More prompt tokens than the engine schedules in one step (here 64 prompts of ~200 tokens): the
+    prompts are prefilled whole over several steps, never in chunks (a chunked seeded request made vLLM's
+    CPU worker fail with "CPU Generator does not use offset")."""
+    from rlhf_trainers.generation import SamplingSettings
+    from rlhf_trainers.generation.vllm_colocated import VLLMColocated
+
+    tok = kit.load_tokenizer()
+    backend = VLLMColocated(kit.load_model(POLICY), weights_version=lambda: 0, max_model_len=256)
+    text = " ".join(kit.corpus(40))
+    ids = tok([text] * 64, return_tensors="pt", truncation=True, max_length=200)
+    assert ids["input_ids"].numel() > 8192
+    settings = SamplingSettings(max_new_tokens=8, pad_token_id=tok.pad_token_id, return_logprobs=True)
+    samples = backend.sample(ids["input_ids"], ids["attention_mask"], settings)
+    assert samples.tokens.shape == (64, 8)
+    assert len({tuple(row.tolist()) for row in samples.tokens}) > 1  # per-request seeds
+
+
 # ---- learning -------------------------------------------------------------------------------------
 
 

@@ -258,6 +258,11 @@ class VLLMColocated:
                 "tensor_parallel_size": 1,
                 # CUDA graphs on GPU; on CPU, compiling costs minutes for little gain at these sizes.
                 "enforce_eager": not on_gpu,
+                # A prompt is prefilled whole, never in chunks: a chunked request's sampled token is thrown
+                # away and its seeded generator rewound, which vLLM's CPU worker cannot do ("CPU Generator
+                # does not use offset": measured with 128 SmolLM2 prompts of ~40 tokens).
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(max_model_len, 8192),
             }
             if on_gpu:
                 engine_args["gpu_memory_utilization"] = gpu_memory_utilization
