@@ -34,28 +34,26 @@ def test_defaults_depend_on_the_model_and_explicit_flags_win():
     assert (kit.model, kit.sft_steps, kit.ppo_updates, kit.rloo_updates) == ("kit", 300, 60, 60)
     assert (kit.learning_rate, kit.response_length, kit.eval_prompts) == (2e-3, 12, 96)
     smol = DemoArguments(model="smollm2")
-    assert (smol.sft_steps, smol.label_prompts, smol.reward_pairs, smol.temperature) == (0, 64, None, 0.7)
+    assert (smol.sft_steps, smol.label_prompts, smol.reward_pairs, smol.temperature) == (0, 96, None, 0.7)
     assert (kit.reward_pairs, kit.label_prompts, kit.temperature) == (2048, None, 1.0)
     quick = DemoArguments(quick=True, ppo_updates=7)
     assert (quick.ppo_updates, quick.rloo_updates, quick.sft_steps) == (7, 4, 60)
 
 
-def test_smollm2_ppo_policy_learns_at_twice_the_rate_and_its_value_model_at_it(tmp_path):
+def test_smollm2_ppo_value_model_learns_at_half_the_policy_rate(tmp_path):
     from types import SimpleNamespace
 
-    from rlhf_trainers.demo.run import SMOLLM2_PPO_LR_FACTOR, _onpolicy_config
+    from rlhf_trainers.demo.run import SMOLLM2_CRITIC_LR_FACTOR, _onpolicy_config
 
     for model in ("kit", "smollm2"):
         args = DemoArguments(model=model, learning_rate=3e-4)
         task = SimpleNamespace(name=model)
         ppo = _onpolicy_config("ppo", task, args, tmp_path / "ppo")
         rloo = _onpolicy_config("rloo", task, args, tmp_path / "rloo")
-        assert rloo.learning_rate == 3e-4, model
-        if model == "kit":
-            assert ppo.learning_rate == 3e-4 and ppo.critic_learning_rate is None
-        else:
-            assert ppo.learning_rate == pytest.approx(3e-4 * SMOLLM2_PPO_LR_FACTOR) == 6e-4
-            assert ppo.critic_learning_rate == 3e-4
+        assert rloo.learning_rate == ppo.learning_rate == 3e-4, model
+        expected = None if model == "kit" else 3e-4 * SMOLLM2_CRITIC_LR_FACTOR
+        assert ppo.critic_learning_rate == (pytest.approx(expected) if expected else None), model
+    assert SMOLLM2_CRITIC_LR_FACTOR == 0.5
 
 
 @pytest.mark.parametrize(

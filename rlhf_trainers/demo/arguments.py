@@ -29,11 +29,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "smollm2": {
         "sft_steps": 0,
-        "label_prompts": 64,
+        "label_prompts": 96,
         "ppo_updates": 16,
         "rloo_updates": 16,
         "rollout_size": 16,
-        "learning_rate": 5e-4,
+        "learning_rate": 1e-3,
         "response_length": 24,
         "eval_prompts": 40,
         "sample_rows": 6,
@@ -85,7 +85,7 @@ class DemoArguments:
         metadata={
             "help": "smollm2: train prompts to label, as the reference implementation collects its labels: "
             "4 completions of each sampled from the policy itself, the best by the hidden rule preferred to "
-            "each lower one (the reward model's pairs). Default: 160 (every train prompt). (kit: not used.)"
+            "each lower one (the reward model's pairs). Default: 96 (of the 160 train prompts). (kit: not used.)"
         },
     )
     ppo_updates: int | None = field(
@@ -106,8 +106,8 @@ class DemoArguments:
     learning_rate: float | None = field(
         default=None,
         metadata={
-            "help": "Policy learning rate of PPO and RLOO. Default: 2e-3 (kit), 5e-4 (smollm2, LoRA). With smollm2, "
-            "PPO's policy learns at twice it and its value model at it (see docs/demo.md)."
+            "help": "Policy learning rate of PPO and RLOO. Default: 2e-3 (kit), 1e-3 (smollm2, LoRA). With smollm2, "
+            "PPO's value model (a full copy of the model) learns at half of it (see docs/demo.md)."
         },
     )
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (beta) of PPO and RLOO."})
