@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument(
         "--python", default=None, help="Interpreter with vLLM (default: the vLLM environment)."
@@ -156,7 +157,7 @@ def main() -> None:
         env["OMP_NUM_THREADS"] = str(args.threads)
     runs = []
     for trainer_name in args.trainers:
-        for backend in BACKENDS:
+        for backend in args.backends:
             command = [python, __file__, "--worker", trainer_name, backend, "--updates", str(args.updates)]
             command += ["--response-length", str(args.response_length), "--seed", str(args.seed)]
             command += ["--completions", str(args.completions)]
@@ -172,6 +173,8 @@ def main() -> None:
     ratios = {}
     for trainer_name in args.trainers:
         by = {r["backend"]: r["summary"] for r in runs if r["trainer"] == trainer_name}
+        if len(by) < len(BACKENDS):
+            continue
         ratios[trainer_name] = {
             "generation_speedup": by["builtin"]["generate_s"] / by["vllm"]["generate_s"],
             "episodes_per_s_ratio": by["vllm"]["episodes_per_s"] / by["builtin"]["episodes_per_s"],
