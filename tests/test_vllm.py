@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ppo import _config as ppo_config
 from test_rloo import LEARN as RLOO_LEARN
 from test_rloo import StopAt
+from test_rloo import _config as rloo_config
 
 from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
 from rlhf_trainers.onpolicy.forward import response_logprobs
@@ -26,27 +28,11 @@ LEARN = {k: v for k, v in RLOO_LEARN.items() if k != "rloo_k"}  # the kit-learni
 
 
 def _config(cls, tmp_path, **overrides):
-    fields = {
-        "output_dir": str(tmp_path / "out"),
-        "per_device_train_batch_size": 8,
-        "num_mini_batches": 1,
-        "num_ppo_epochs": 1,
-        "response_length": 8,
-        "temperature": 1.0,
-        "learning_rate": 1e-3,
-        "max_steps": 2,
-        "save_strategy": "no",
-        "report_to": "none",
-        "use_cpu": True,
-        "seed": 0,
-        "num_sample_generations": 0,
-        "disable_tqdm": True,
-        "use_vllm": True,
-    }
+    """The PPO/RLOO test modules' small config (rloo_k 4 for RLOO) with use_vllm=True."""
     if cls is RLOOConfig:
-        fields["rloo_k"] = 4
-    fields.update(overrides)
-    return cls(**fields)
+        overrides.setdefault("rloo_k", 4)
+        return rloo_config(tmp_path, use_vllm=True, **overrides)
+    return ppo_config(tmp_path, use_vllm=True, **overrides)
 
 
 def _trainer(kit, tmp_path, trainer_cls=RLOOTrainer, *, train_n=64, eval_n=None, model=POLICY, **kwargs):

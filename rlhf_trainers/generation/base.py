@@ -67,6 +67,9 @@ class GenerationBackend(Protocol):
     #: Whether its log-probs may stand in for a policy forward pass in a float32 rollout
     #: (``rollout_logprobs='auto'``): True where they come from the same arithmetic as the forward's.
     logprobs_for_rollout: bool
+    #: Whether the whole rollout goes to ``sample`` in one call (an engine that schedules its own batches,
+    #: vLLM); False: the trainer calls it per chunk of ``local_rollout_forward_batch_size`` rows.
+    batches_internally: bool
 
     def sample(
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings

@@ -122,6 +122,7 @@ class BuiltinSampling:
     """
 
     logprobs_for_rollout = True
+    batches_internally = False
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ class TransformersGenerate:
     # Log-probs from generate's own logits, in the generation's code path: the rollout keeps the policy
     # forward pass unless told otherwise (rollout_logprobs='generation').
     logprobs_for_rollout = False
+    batches_internally = False
 
     def __init__(
         self,

@@ -214,7 +214,7 @@ class RolloutSteps:
         prompts, columns = self._prompts_and_columns(batch)
         pad = self.processing_class.pad_token_id
         step = self.args.local_rollout_forward_batch_size
-        if getattr(self.generation_backend, "batches_internally", False):
+        if self.generation_backend.batches_internally:
             step = query.shape[0]  # one call: the engine (vLLM) schedules its own batches
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         for start in range(0, query.shape[0], step):
