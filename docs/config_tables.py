@@ -1,7 +1,7 @@
-"""Write the field tables of docs/ppo.md from the config dataclasses' metadata.
+"""Write the field tables of docs/ppo.md and docs/grpo.md from the config dataclasses' metadata.
 
-    python docs/config_tables.py           # rewrite the tables between the markers in docs/ppo.md
-    python docs/config_tables.py --check   # exit 1 if docs/ppo.md is out of date
+    python docs/config_tables.py           # rewrite the tables between the markers
+    python docs/config_tables.py --check   # exit 1 if a page is out of date
 
 A table lists the fields a class declares itself (name, default, help). The ``TrainingArguments`` fields
 that ``OnPolicyConfig`` re-declares are listed separately with both defaults.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from transformers import TrainingArguments
 
-from rlhf_trainers import OnPolicyConfig, PPOConfig
+from rlhf_trainers import GRPOConfig, OnPolicyConfig, PPOConfig
 
-DOC = Path(__file__).resolve().parent / "ppo.md"
+HERE = Path(__file__).resolve().parent
 
 
 def _default(f: dataclasses.Field) -> object:
@@ -64,32 +64,44 @@ def changed_defaults() -> str:
     return "\n".join(rows)
 
 
-def render(text: str) -> str:
-    blocks = {
-        "onpolicy-defaults": changed_defaults(),
-        "onpolicy-fields": table(OnPolicyConfig, TrainingArguments),
-        "ppo-fields": table(PPOConfig, OnPolicyConfig),
+def pages() -> dict[Path, dict[str, str]]:
+    """Each page's marked blocks and their tables."""
+    return {
+        HERE / "ppo.md": {
+            "onpolicy-defaults": changed_defaults(),
+            "onpolicy-fields": table(OnPolicyConfig, TrainingArguments),
+            "ppo-fields": table(PPOConfig, OnPolicyConfig),
+        },
+        HERE / "grpo.md": {"grpo-fields": table(GRPOConfig, OnPolicyConfig)},
     }
+
+
+def render(text: str, blocks: dict[str, str], doc: Path) -> str:
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
-            raise SystemExit(f"{DOC}: marker <!-- {name}:start --> ... <!-- {name}:end --> not found")
+            raise SystemExit(f"{doc}: marker <!-- {name}:start --> ... <!-- {name}:end --> not found")
         text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
     return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if docs/ppo.md is out of date")
+    parser.add_argument("--check", action="store_true", help="fail if a page is out of date")
     args = parser.parse_args()
-    text = DOC.read_text()
-    new = render(text)
-    if args.check:
+    stale = []
+    for doc, blocks in pages().items():
+        text = doc.read_text()
+        new = render(text, blocks, doc)
         if new != text:
-            print(f"{DOC} is out of date: run python docs/config_tables.py", file=sys.stderr)
-            sys.exit(1)
-        return
-    DOC.write_text(new)
+            if args.check:
+                stale.append(doc)
+            else:
+                doc.write_text(new)
+    if stale:
+        for doc in stale:
+            print(f"{doc} is out of date: run python docs/config_tables.py", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""rlhf_trainers: online RLHF (PPO, RLOO, reward modeling) for Hugging Face ``transformers``.
+"""rlhf_trainers: online RLHF (PPO, RLOO, GRPO, reward modeling) for Hugging Face ``transformers``.
 
 The package import is kept light: the pure math (:mod:`rlhf_trainers.functional`) and the
 optimizer are imported eagerly (they only need ``torch``); everything that pulls in
@@ -33,6 +33,8 @@ _LAZY: dict[str, str] = {
     "testing": "rlhf_trainers.testing",
     "OnPolicyConfig": "rlhf_trainers.onpolicy",
     "OnPolicyTrainer": "rlhf_trainers.onpolicy",
+    "GRPOConfig": "rlhf_trainers.grpo",
+    "GRPOTrainer": "rlhf_trainers.grpo",
     "PPOConfig": "rlhf_trainers.ppo",
     "PPOTrainer": "rlhf_trainers.ppo",
     "RLOOConfig": "rlhf_trainers.rloo",
@@ -43,6 +45,7 @@ _LAZY: dict[str, str] = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import testing
+    from .grpo import GRPOConfig, GRPOTrainer
     from .onpolicy import OnPolicyConfig, OnPolicyTrainer
     from .ppo import PPOConfig, PPOTrainer
     from .reward import RewardConfig, RewardTrainer
@@ -61,6 +64,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
+    "GRPOConfig",
+    "GRPOTrainer",
     "OnPolicyConfig",
     "OnPolicyTrainer",
     "PPOConfig",

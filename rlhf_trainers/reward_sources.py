@@ -20,6 +20,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -837,3 +838,57 @@ def _first_failing_row(
             text = text if len(text) <= 80 else text[:77] + "..."
             return f"at prompt index {i} of the batch: prompt {text}, completion {completions[i][:80]!r}"
     return "on the whole batch; no single row reproduces it"
+
+
+def split_reward_funcs(
+    reward_funcs: Any,
+    reward_processing_classes: Any,
+    reward_weights: list[float] | None,
+) -> tuple[Any, list[Callable[..., Any]], Any, list[float] | None]:
+    """TRL's ``reward_funcs`` (a function, a reward model or a path, or a list mixing them) as the
+    engine's ``(reward_model, reward_funcs, reward_processing_class, reward_weights)``: at most one
+    reward model, moved to the front of the weights (the engine's order: reward model first)."""
+    from transformers import PreTrainedModel
+
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs or any(f is None for f in funcs):
+        raise ValueError(
+            "reward_funcs must be a function f(prompts, completions, **columns) -> list[float], a "
+            "one-label sequence-classification model (or its path), or a list of them."
+        )
+    tokenizers = (
+        list(reward_processing_classes)
+        if isinstance(reward_processing_classes, (list, tuple))
+        else [reward_processing_classes] * len(funcs)
+    )
+    if len(tokenizers) != len(funcs):
+        raise ValueError(
+            f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward_funcs; give one "
+            "per reward function (None for plain functions)."
+        )
+    models = [i for i, f in enumerate(funcs) if isinstance(f, (str, os.PathLike, PreTrainedModel))]
+    if len(models) > 1:
+        raise ValueError(
+            f"reward_funcs holds {len(models)} reward models (positions {models}); the trainers take at most "
+            "one reward model next to any number of reward functions. Combine the models in a function, "
+            "or train with one of them."
+        )
+    for i, f in enumerate(funcs):
+        if i not in models and not callable(f):
+            raise ValueError(
+                f"reward_funcs[{i}] is a {type(f).__name__}: expected a function, a sequence-classification "
+                "model or a path to one."
+            )
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward_funcs; give one weight "
+            "per reward function, in the same order."
+        )
+    if not models:
+        return None, funcs, None, reward_weights
+    index = models[0]
+    functions = [f for i, f in enumerate(funcs) if i != index]
+    weights = None
+    if reward_weights is not None:
+        weights = [reward_weights[index]] + [w for i, w in enumerate(reward_weights) if i != index]
+    return funcs[index], functions, tokenizers[index], weights

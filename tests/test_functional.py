@@ -1181,7 +1181,13 @@ def test_all_lists_public_names():
         for name, obj in vars(F).items()
         if not name.startswith("_") and getattr(obj, "__module__", "").startswith(F.__name__ + ".")
     }
-    constants = {"IMPORTANCE_SAMPLING_MODES", "KL_ESTIMATORS", "LOSS_AGG_MODES", "REJECTION_MODES"}
+    constants = {
+        "IMPORTANCE_SAMPLING_MODES",
+        "KL_ESTIMATORS",
+        "LOSS_AGG_MODES",
+        "REJECTION_MODES",
+        "SCALE_REWARDS",
+    }
     assert set(F.__all__) == defined_in_modules | constants
     assert set(F.__all__) == {name for module in modules.values() for name in getattr(module, "__all__", [])}
     for name in F.__all__:

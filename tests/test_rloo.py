@@ -852,3 +852,44 @@ def test_num_eos_tokens_counts_only_eos_inside_responses_when_pad_is_eos(kit, tm
         assert log["val/num_eos_tokens"] == pytest.approx(stopped)
     # Some responses stopped before the last position, so padding existed to be miscounted.
     assert any(0 < log["val/response_length"] < 12 for log in logs)
+
+
+# ---- TRL 1.x names ------------------------------------------------------------------------------
+
+
+def test_trl_1x_names_set_the_blogs_fields_and_train(kit, tmp_path, reward_model_dir):
+    """TRL 1.x's RLOOConfig names (GRPO style) next to the blog's; a reward model in reward_funcs."""
+    args = RLOOConfig(
+        output_dir=str(tmp_path / "trl1x"),
+        num_generations=4,
+        beta=0.03,
+        epsilon=0.25,
+        epsilon_high=0.3,
+        num_iterations=2,
+        max_completion_length=8,
+        normalize_advantages=True,
+        per_device_train_batch_size=8,
+        max_steps=2,
+        report_to="none",
+        use_cpu=True,
+        num_sample_generations=0,
+    )
+    assert (args.rloo_k, args.kl_coef, args.cliprange, args.cliprange_high) == (4, 0.03, 0.25, 0.3)
+    assert (args.num_ppo_epochs, args.response_length, args.normalize_advantage) == (2, 8, True)
+    trainer = RLOOTrainer(
+        model=str(kit.model_path("llama-sft")),
+        reward_funcs=[true_reward, str(reward_model_dir)],
+        args=args,
+        train_dataset=kit.prompt_dataset("train", n=32),
+        processing_class=kit.load_tokenizer(),
+    )
+    assert trainer.reward_model is not None
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "objective/scores/reward_model" in h)
+    assert "objective/scores/true_reward" in logged
+    with pytest.raises(ValueError, match="num_generations=4 and rloo_k=3 name the same setting"):
+        _config(tmp_path, num_generations=4, rloo_k=3)
+    with pytest.raises(ValueError, match=r"beta=0\.1 and kl_coef=0\.2"):
+        _config(tmp_path, beta=0.1, kl_coef=0.2)
+    with pytest.raises(ValueError, match="importance_sampling_level='sequence' with token_level_kl=False"):
+        _config(tmp_path, importance_sampling_level="sequence")

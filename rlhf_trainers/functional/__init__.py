@@ -31,7 +31,8 @@ The math of the reference implementations:
     :class:`FixedKLController`.
 :mod:`~rlhf_trainers.functional.advantages` -- advantages
     :func:`gae_advantages` (carry-forward masking, decoupled and length-adaptive lambda),
-    :func:`rloo_advantages` (leave-one-out baseline, optionally over the valid completions only).
+    :func:`rloo_advantages` (leave-one-out baseline, optionally over the valid completions only),
+    :func:`group_advantages` (GRPO's group-normalized advantages, ``scale_rewards``).
 :mod:`~rlhf_trainers.functional.responses` -- responses
     :func:`first_true_indices`, :func:`last_true_indices`, :func:`truncate_response`,
     :func:`stop_token_found`, :func:`apply_rejection_penalty`, :func:`position_ids_from_mask`.
@@ -50,7 +51,7 @@ Apart from it, how log-probabilities are computed without large temporaries:
 
 from __future__ import annotations
 
-from .advantages import gae_advantages, rloo_advantages
+from .advantages import SCALE_REWARDS, gae_advantages, group_advantages, rloo_advantages
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .logprob_kernels import (
     entropy_from_logits,
@@ -82,6 +83,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "REJECTION_MODES",
+    "SCALE_REWARDS",
     "AdaptiveKLController",
     "FixedKLController",
     "apply_rejection_penalty",
@@ -91,6 +93,7 @@ __all__ = [
     "explained_variance",
     "first_true_indices",
     "gae_advantages",
+    "group_advantages",
     "kl_penalty",
     "last_true_indices",
     "logprobs_and_entropy_from_hidden",

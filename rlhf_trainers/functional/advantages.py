@@ -1,14 +1,19 @@
 """Advantages: GAE over a critic's values (carry-forward masking, decoupled and length-adaptive
-lambda) and the leave-one-out baseline over the k completions of each prompt."""
+lambda), the leave-one-out baseline over the k completions of each prompt, and GRPO's group-normalized
+advantages."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ._common import _out_dtype, _valid, _work_dtype, _zero_invalid
+from ._common import _AllReduce, _out_dtype, _valid, _work_dtype, _zero_invalid
+from .stats import masked_var
 
-__all__ = ["gae_advantages", "rloo_advantages"]
+__all__ = ["SCALE_REWARDS", "gae_advantages", "group_advantages", "rloo_advantages"]
+
+#: Valid ``scale`` names of :func:`group_advantages` (TRL's ``scale_rewards``).
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def _check_unit_interval(name: str, value: float) -> float:
@@ -220,4 +225,73 @@ def _masked_leave_one_out(rewards: Tensor, valid: Tensor, grouped_shape: tuple[i
     baseline = (valid_rewards.sum(0, keepdim=True) - valid_rewards) / others.clamp_min(1)
     has_baseline = (others > 0) & is_valid
     advantages = torch.where(has_baseline, grouped - baseline, torch.zeros_like(grouped))
+    return advantages.reshape(rewards.shape).to(_out_dtype(rewards))
+
+
+def group_advantages(
+    rewards: Tensor,
+    k: int,
+    scale: str = "group",
+    valid: Tensor | None = None,
+    eps: float = 1e-4,
+    *,
+    all_reduce: _AllReduce | None = None,
+) -> Tensor:
+    """GRPO's group-relative advantages (Shao et al., 2024; TRL's ``scale_rewards``).
+
+    Each completion's advantage is its reward minus the mean reward of its prompt's group of ``k``
+    completions (itself included), divided by a standard deviation plus ``eps``:
+
+    * ``"group"``: the std of the group's rewards (GRPO's);
+    * ``"batch"``: the std of all rewards of the batch, over every process with ``all_reduce`` (a
+      prompt whose completions are all rewarded alike is not blown up; Liu et al.'s critique of the
+      group std);
+    * ``"none"``: no division (Dr. GRPO's), the mean-centred reward.
+
+    Standard deviations are unbiased (Bessel's correction), as ``torch.std`` that TRL uses.
+
+    Args:
+        rewards: ``(k * B,)`` sequence rewards, completion ``j`` of prompt ``i`` at index ``j * B + i``
+            (the layout of :func:`rloo_advantages`).
+        k: completions per prompt (``num_generations``), >= 1; with 1 every advantage is 0 under
+            ``"group"`` / ``"none"``.
+        scale: ``"group"``, ``"batch"`` or ``"none"``.
+        valid: ``(k * B,)`` bool or 0/1; only valid completions enter the means and stds, invalid ones
+            get 0 and their reward (possibly NaN) is never read. None: all valid.
+        eps: added to the std before dividing (TRL's 1e-4).
+        all_reduce: sums a tensor over processes, for the batch std of ``"batch"``; None: this process.
+
+    Returns:
+        ``(k * B,)`` advantages in the dtype of ``rewards`` (float32 for integers), computed in float64.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (num_generations) must be an integer >= 1, got {k!r}.")
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"unknown scale {scale!r}; expected one of {', '.join(SCALE_REWARDS)}.")
+    if rewards.dim() != 1 or rewards.shape[0] % k != 0:
+        raise ValueError(
+            f"rewards must be (k * B,) with k={k} completions of each of B prompts (index j * B + i), got "
+            f"shape {tuple(rewards.shape)}."
+        )
+    is_valid = _valid(valid, rewards) if valid is not None else torch.ones_like(rewards, dtype=torch.bool)
+    if is_valid.shape != rewards.shape:
+        raise ValueError(
+            f"valid must be ({rewards.shape[0]},), one flag per completion, got shape {tuple(is_valid.shape)}."
+        )
+    values = _zero_invalid(rewards, is_valid, torch.float64)
+    grouped, grouped_valid = values.reshape(k, -1), is_valid.reshape(k, -1)
+    counted = grouped_valid.to(torch.float64)
+    n = counted.sum(0, keepdim=True)
+    mean = grouped.sum(0, keepdim=True) / n.clamp_min(1)
+    centred = torch.where(grouped_valid, grouped - mean, torch.zeros_like(grouped))
+    if scale == "group":
+        var = centred.square().sum(0, keepdim=True) / (n - 1).clamp_min(1)
+        var = torch.where(n > 1, var, torch.zeros_like(var))
+        advantages = centred / (var.sqrt() + eps)
+    elif scale == "batch":
+        std = masked_var(values, is_valid, unbiased=True, all_reduce=all_reduce).sqrt()
+        advantages = centred / (std + eps)
+    else:
+        advantages = centred
+    advantages = torch.where(grouped_valid, advantages, torch.zeros_like(advantages))
     return advantages.reshape(rewards.shape).to(_out_dtype(rewards))

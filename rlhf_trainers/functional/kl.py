@@ -14,7 +14,7 @@ from ._common import _out_dtype, _work_dtype
 __all__ = ["KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "kl_penalty"]
 
 #: Valid ``estimator`` names of :func:`kl_penalty`.
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
@@ -27,11 +27,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     * ``"k2"``: ``0.5 * d**2`` -- always >= 0, low variance, biased.
     * ``"k3"``: ``exp(-d) - 1 + d`` -- always >= 0 and unbiased.
     * ``"abs"``: ``|d|``.
+    * ``"low_var_kl"``: k3 clamped to at most 10 per token (verl's name for it).
 
     Args:
         logprobs: (B, T) log-probabilities of the sampled tokens under the policy.
         ref_logprobs: (B, T) same tokens under the reference policy.
-        estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``.
+        estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``, ``"low_var_kl"``.
 
     Returns:
         (B, T) in the promoted dtype of the inputs, computed in at least float32.
@@ -58,6 +59,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
         # expm1, not exp(x) - 1: for |x| < ~1e-8 the latter is 0 - x, a NEGATIVE "KL" (cancellation);
         # the final clamp absorbs the last ulp of rounding so that k3 >= 0 holds exactly.
         kl = (torch.expm1(log_ratio) - log_ratio).clamp_min(0)
+        if estimator == "low_var_kl":
+            kl = kl.clamp_max(10.0)
     return kl.to(out_dtype)
 
 

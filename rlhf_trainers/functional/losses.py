@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 #: Valid ``loss_agg_mode`` names of :func:`clipped_policy_loss` / :func:`clipped_value_loss`.
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 #: Valid ``mode`` names of :func:`truncated_importance_weights`.
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -69,7 +69,13 @@ def truncated_importance_weights(
     return weights
 
 
-def _aggregate(per_token: Tensor, valid: Tensor, mode: str, denominator: float | Tensor | None) -> Tensor:
+def _aggregate(
+    per_token: Tensor,
+    valid: Tensor,
+    mode: str,
+    denominator: float | Tensor | None,
+    max_length: int | None = None,
+) -> Tensor:
     """Reduce a per-token loss with ``loss_agg_mode``; invalid tokens must already be 0."""
     if mode == "token-mean":
         count = valid.sum() if denominator is None else torch.as_tensor(denominator, device=per_token.device)
@@ -80,6 +86,8 @@ def _aggregate(per_token: Tensor, valid: Tensor, mode: str, denominator: float |
     seq = per_token.sum(dim=-1)
     if mode == "seq-mean-token-mean":
         seq = seq / n_tokens.clamp_min(1)
+    elif mode == "seq-mean-token-sum-norm":
+        seq = seq / float(per_token.shape[-1] if max_length is None else max_length)
     # Sequences without a valid token (fully masked / filtered rows) do not dilute the mean.
     has_tokens = n_tokens > 0
     n_seq = has_tokens.sum() if denominator is None else torch.as_tensor(denominator, device=seq.device)
@@ -114,6 +122,8 @@ def clipped_policy_loss(
     loss_agg_mode: str = "token-mean",
     importance_weights: Tensor | None = None,
     denominator: float | Tensor | None = None,
+    max_length: int | None = None,
+    extra_loss: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss (negated objective, to minimise).
 
@@ -131,13 +141,20 @@ def clipped_policy_loss(
         clip_low: epsilon below 1, in (0, 1).
         clip_high: epsilon above 1 (> 0); None = ``clip_low``.
         dual_clip: c > 1 or None (off).
-        loss_agg_mode: ``"token-mean"`` (mean over all valid tokens of the batch),
-            ``"seq-mean-token-mean"`` (mean per sequence, then over sequences with >= 1 valid token) or
-            ``"seq-mean-token-sum"`` (sum per sequence, then mean over sequences with >= 1 valid token).
+        loss_agg_mode: ``"token-mean"`` (mean over all valid tokens of the batch; DAPO's token-level
+            normalization, TRL's ``loss_type="dapo"``), ``"seq-mean-token-mean"`` (mean per sequence,
+            then over sequences with >= 1 valid token; GRPO's), ``"seq-mean-token-sum"`` (sum per
+            sequence, then mean over sequences with >= 1 valid token) or ``"seq-mean-token-sum-norm"``
+            (sum per sequence divided by the constant ``max_length``, then the mean over sequences:
+            Dr. GRPO's length-unbiased normalization).
         importance_weights: (B, T) per-token multipliers of the loss, detached -- e.g. a truncated
             importance-sampling correction for the generation/training log-prob mismatch.
         denominator: divide by this instead of the local token count ("token-mean") or sequence count
             (seq modes), e.g. the count over all micro-batches of a gradient-accumulation step.
+        max_length: the constant of ``"seq-mean-token-sum-norm"`` (the generation's maximum response
+            length); None: ``T``.
+        extra_loss: (B, T) a per-token term added to the clipped loss after the importance weights and
+            before the aggregation, e.g. ``beta * KL(policy || reference)`` as a loss (GRPO's ``beta``).
 
     Returns:
         ``(loss, metrics)``: a scalar in at least float32; metrics of detached float32 scalars over the
@@ -177,8 +194,12 @@ def clipped_policy_loss(
         per_token = torch.where(valid_advantages < 0, torch.minimum(per_token, cap), per_token)
     if importance_weights is not None:
         per_token = per_token * _zero_invalid(importance_weights.detach(), valid, work_dtype)
+    if extra_loss is not None:
+        per_token = per_token + torch.where(
+            valid, torch.broadcast_to(extra_loss, valid.shape).to(work_dtype), zero
+        )
     per_token = torch.where(valid, per_token, zero)
-    loss = _aggregate(per_token, valid, loss_agg_mode, denominator)
+    loss = _aggregate(per_token, valid, loss_agg_mode, denominator, max_length)
 
     with torch.no_grad():
         ratio_float = ratio.detach().float()
@@ -204,6 +225,7 @@ def clipped_value_loss(
     *,
     loss_agg_mode: str = "token-mean",
     denominator: float | Tensor | None = None,
+    max_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss of PPO (baselines ppo2; NeMo ``MseValueLossFn``).
 
@@ -217,7 +239,7 @@ def clipped_value_loss(
         returns: (B, T) targets, e.g. GAE returns (detached).
         mask: (B, T) nonzero = token in the loss.
         cliprange_value: eps > 0, or None for no clipping.
-        loss_agg_mode, denominator: as in :func:`clipped_policy_loss`.
+        loss_agg_mode, denominator, max_length: as in :func:`clipped_policy_loss`.
 
     Returns:
         ``(loss, metrics)``; metrics (detached float32 scalars over valid tokens): ``vf_clipfrac``
@@ -245,7 +267,7 @@ def clipped_value_loss(
         per_token = 0.5 * torch.maximum(err, err_clipped)
         clipped = err_clipped > err
     per_token = torch.where(valid, per_token, zero)
-    loss = _aggregate(per_token, valid, loss_agg_mode, denominator)
+    loss = _aggregate(per_token, valid, loss_agg_mode, denominator, max_length)
     with torch.no_grad():
         has = valid.any()
         metrics = {

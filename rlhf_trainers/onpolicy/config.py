@@ -16,6 +16,7 @@ from ..reward_sources import REWARD_ERROR_MODES
 
 STOP_TOKENS = ("eos",)
 ROLLOUT_LOGPROBS = ("auto", "forward", "generation")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VLLM_IS_MODES = IMPORTANCE_SAMPLING_MODES
 
@@ -277,6 +278,14 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     overlong_penalty: float = field(
         default=1.0, metadata={"help": "Largest overlong penalty (with overlong_buffer_length)."}
     )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave completions that hit response_length without a stop token out of the loss (DAPO's "
+            "overlong filtering; TRL's mask_truncated_completions). Their rewards still count in the other "
+            "completions' baselines and group statistics. Needs a stop token."
+        },
+    )
     reward_batch_size: int = field(default=64, metadata={"help": "Rows per reward-model forward pass."})
     reward_func_errors: str = field(
         default="raise",
@@ -304,6 +313,21 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default=6.0, metadata={"help": "Target KL (nats per sequence) of the adaptive controller."}
     )
     kl_horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller."})
+    kl_loss_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "KL(policy || reference) as a loss term (GRPO's beta; verl's use_kl_loss + kl_loss_coef): "
+            "kl_loss_coef x the per-token estimate (kl_loss_estimator) of the current policy against the "
+            "reference is added to every token's loss. 0: off. Independent of kl_coef (KL in the reward)."
+        },
+    )
+    kl_loss_estimator: str = field(
+        default="k3",
+        metadata={
+            "help": "Estimator of the KL loss term: 'k3' (TRL's GRPO), 'low_var_kl' (verl's: k3 capped at "
+            "10 per token), 'k1', 'k2' or 'abs'."
+        },
+    )
 
     # ---- loss -------------------------------------------------------------------------------
     cliprange: float = field(
@@ -321,7 +345,21 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     )
     loss_agg_mode: str = field(
         default="token-mean",
-        metadata={"help": "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'."},
+        metadata={
+            "help": "How the per-token loss of an optimizer step is reduced (verl's names): 'token-mean' "
+            "(over all tokens of the mini-batch; DAPO's, TRL's loss_type='dapo'), 'seq-mean-token-mean' "
+            "(per sequence, then over sequences; GRPO's), 'seq-mean-token-sum' (sum per sequence, mean "
+            "over sequences) or 'seq-mean-token-sum-norm' (sum per sequence / response_length, mean over "
+            "sequences; Dr. GRPO's). The counts are those of the whole mini-batch over every micro-batch "
+            "and process, so the gradient does not depend on how the mini-batch is split."
+        },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "'token': PPO's ratio per token; 'sequence': GSPO's ratio of the whole sequence (the "
+            "exponential of the mean per-token log-ratio), clipped and applied at every token of it."
+        },
     )
 
     # ---- numerics ---------------------------------------------------------------------------
@@ -569,6 +607,19 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(f"kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}.")
         if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
             raise ValueError(f"kl_coef={self.kl_coef}: expected a finite number >= 0.")
+        if self.kl_loss_coef < 0 or not math.isfinite(self.kl_loss_coef):
+            raise ValueError(
+                f"kl_loss_coef={self.kl_loss_coef}: expected a finite number >= 0 (0: no KL loss)."
+            )
+        if self.kl_loss_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"kl_loss_estimator={self.kl_loss_estimator!r}: expected one of {KL_ESTIMATORS}."
+            )
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level={self.importance_sampling_level!r}: expected one of "
+                f"{IMPORTANCE_SAMPLING_LEVELS}."
+            )
         if self.adaptive_kl and not self.kl_target > 0:
             raise ValueError(f"kl_target={self.kl_target}: the adaptive controller needs a target > 0.")
         if not 0 < self.cliprange < 1:
@@ -597,6 +648,11 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"overlong_buffer_length={self.overlong_buffer_length} must be <= response_length="
                 f"{self.response_length}."
+            )
+        if self.mask_truncated_completions and self.stop_token is None and self.stop_token_id is None:
+            raise ValueError(
+                "mask_truncated_completions=True without a stop token (stop_token=None, stop_token_id=None): "
+                "every completion runs to response_length and all would be masked. Set stop_token='eos'."
             )
         if self.overlong_penalty < 0:
             raise ValueError(f"overlong_penalty={self.overlong_penalty}: expected a number >= 0.")
@@ -628,6 +684,13 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
                 '"stage3_gather_16bit_weights_on_model_save": true in zero_optimization of the DeepSpeed '
                 "config, or zero3_save_16bit_model: true in the accelerate config."
             )
+
+    @property
+    def uses_reference_model(self) -> bool:
+        """Whether training reads a reference policy: a KL penalty in the reward (``kl_coef > 0`` or the
+        adaptive controller) or as a loss term (``kl_loss_coef > 0``). Without one, no reference model is
+        built, loaded or run, and the KL metrics are not logged."""
+        return self.kl_coef > 0 or self.adaptive_kl or self.kl_loss_coef > 0
 
     @property
     def local_batch_size(self) -> int:

@@ -76,7 +76,8 @@ class ForwardPasses:
     entropy: torch.Tensor
     """float32 entropy of the policy's distribution at each response position (a metric)."""
     ref_logprobs: torch.Tensor
-    """log-probs of the response under the reference model (the policy without adapter under PEFT)."""
+    """log-probs of the response under the reference model (the policy without adapter under PEFT); the
+    policy's own when no KL term reads a reference (``uses_reference_model`` False)."""
     values: torch.Tensor | None
     """float32 V(s_t) of the value model at each response position (PPO); None without one."""
 
@@ -103,7 +104,8 @@ class Rollout:
     entropy: torch.Tensor
     """(N, R) float32 entropy of the policy at each response position."""
     ref_logprobs: torch.Tensor
-    """(N, R) reference-model log-probs of the response."""
+    """(N, R) reference-model log-probs of the response (the policy's when no reference is used, so the
+    KL is 0)."""
     kl: torch.Tensor
     """(N, R) per-token KL estimate (``kl_estimator``) between policy and reference, 0 where masked."""
     raw_scores: torch.Tensor
@@ -152,6 +154,39 @@ class Advantages:
     """(N, R) or (N, 1) capped training/generation probability ratios (RLOO's ``truncated_is_cap``)."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """Anything else a subclass computes for its loss."""
+
+
+@dataclass
+class LossNormalization:
+    """The denominators of one optimizer step's loss, so that the loss (and its gradient) is the same
+    whether the mini-batch is one micro-batch, several accumulated ones, or split over processes: each
+    count covers the whole mini-batch (all its micro-batches on all processes), divided by the number of
+    processes (whose gradients are averaged)."""
+
+    tokens: torch.Tensor
+    """() float, valid response tokens of the mini-batch / processes."""
+    sequences: torch.Tensor
+    """() float, sequences with at least one valid token in the mini-batch / processes."""
+    max_length: int
+    """The response length (the constant of ``'seq-mean-token-sum-norm'``)."""
+
+    @classmethod
+    def local(cls, mask: torch.Tensor, max_length: int) -> LossNormalization:
+        """The counts of the (M, R) ``mask`` alone: a micro-batch taken as the whole mini-batch."""
+        return cls(tokens=mask.sum().float(), sequences=mask.any(1).sum().float(), max_length=max_length)
+
+    def denominator(self, loss_agg_mode: str) -> torch.Tensor:
+        """The count ``loss_agg_mode`` divides by: tokens for ``'token-mean'``, else sequences."""
+        return self.tokens if loss_agg_mode == "token-mean" else self.sequences
+
+    def aggregation(self, loss_agg_mode: str) -> dict[str, Any]:
+        """Keyword arguments of :func:`~rlhf_trainers.functional.clipped_policy_loss` and
+        :func:`~rlhf_trainers.functional.clipped_value_loss` for ``loss_agg_mode``."""
+        return {
+            "loss_agg_mode": loss_agg_mode,
+            "denominator": self.denominator(loss_agg_mode),
+            "max_length": self.max_length,
+        }
 
 
 class RolloutSteps:
@@ -356,11 +391,15 @@ class RolloutSteps:
                 parts["logprobs"].append(pad_columns(logprobs, R))
                 parts["entropy"].append(pad_columns(entropy, R))
                 timings["timing/policy"] += time.perf_counter() - began
-            began = time.perf_counter()
-            parts["ref_logprobs"].append(
-                pad_columns(self._reference_logprobs(ids, mask, positions, response), R)
-            )
-            timings["timing/ref"] += time.perf_counter() - began
+            if self.args.uses_reference_model:
+                began = time.perf_counter()
+                parts["ref_logprobs"].append(
+                    pad_columns(self._reference_logprobs(ids, mask, positions, response), R)
+                )
+                timings["timing/ref"] += time.perf_counter() - began
+            else:
+                # No KL term reads a reference: none is run; its log-probs are the policy's (KL 0).
+                parts["ref_logprobs"].append(parts["logprobs"][-1])
             if self.value_model is not None:
                 began = time.perf_counter()
                 values = token_values(self.value_model, ids, mask, positions)[:, query.shape[1] - 1 : -1]
@@ -379,6 +418,8 @@ class RolloutSteps:
         )
         shaped, valid = self._shape_scores(scores.total, samples.lengths, scores.found_stop)
         args = self.args
+        # Tokens in the loss: the valid rows', without the truncated completions' (mask_truncated_completions).
+        in_loss = valid & scores.found_stop if args.mask_truncated_completions else valid
         sampling_weights = None
         if (
             args.use_vllm
@@ -396,7 +437,7 @@ class RolloutSteps:
             query=samples.query,
             query_mask=samples.query_mask,
             response=samples.response,
-            response_mask=samples.response_mask & valid[:, None],
+            response_mask=samples.response_mask & in_loss[:, None],
             lengths=samples.lengths,
             logprobs=passes.logprobs,
             entropy=passes.entropy,

@@ -124,6 +124,13 @@ def load_models(
             "peft_config, or the PeftModel without it."
         )
     policy = load_causal_lm(model, args.model_init_kwargs, "policy")
+    if ref_model is not None and not args.uses_reference_model:
+        logger.warning(
+            "ref_model is not used: no KL term reads it (kl_coef=0, kl_loss_coef=0, adaptive_kl=False), so it "
+            "is neither loaded nor run. Set kl_coef (KL in the reward) or kl_loss_coef / beta (KL as a loss) "
+            "to use it."
+        )
+        ref_model = None
     if ref_model is not None:
         ref_model = load_causal_lm(ref_model, args.model_init_kwargs, "reference model")
     if isinstance(reward_model, (str, os.PathLike)):
@@ -147,7 +154,7 @@ def load_models(
         with seeded(args.seed):  # the adapter's initial weights follow the config's seed
             policy = get_peft_model(policy, peft_config)
     is_peft = _is_peft_model(policy)
-    if ref_model is None and not is_peft:
+    if ref_model is None and not is_peft and args.uses_reference_model:
         ref_model = copy_model(policy)
     vocab = embedding_rows(policy)
     if processing_class.pad_token_id >= vocab:
@@ -244,12 +251,13 @@ class SetupSteps:
         k = self.completions_per_prompt
         world = self.accelerator.num_processes
         if args.local_batch_size % k:
+            name = self.completions_per_prompt_name
             raise ValueError(
                 f"A rollout of per_device_train_batch_size ({args.per_device_train_batch_size}) x "
                 f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) x num_mini_batches "
                 f"({args.num_mini_batches}) = {args.local_batch_size} completions per process must be a multiple "
-                f"of rloo_k={k} (all completions of a prompt stay on one process); change "
-                "per_device_train_batch_size or rloo_k."
+                f"of {name}={k} (all completions of a prompt stay on one process); change "
+                f"per_device_train_batch_size or {name}."
             )
         self.local_prompts = args.local_batch_size // k
         self.batch_size = args.local_batch_size * world
@@ -263,7 +271,8 @@ class SetupSteps:
             )
         self.updates_per_data_epoch = n // self.prompts_per_update
         if args.max_steps and args.max_steps > 0:
-            self.num_updates = args.max_steps
+            # max_steps counts Trainer steps: updates, or optimizer steps where a step is one (GRPO).
+            self.num_updates = math.ceil(args.max_steps / self.steps_per_update)
         else:
             total = args.total_episodes or int(args.num_train_epochs * n * k)
             self.num_updates = max(1, math.ceil(total / self.batch_size))

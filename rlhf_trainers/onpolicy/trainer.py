@@ -48,7 +48,7 @@ from .config import OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin
 from .forward import PolicyAndValue, column_bounds, pad_columns, trim_bounds
 from .generation_mixin import OnPolicyGenerationMixin
-from .rollout import Advantages, Rollout, RolloutSteps
+from .rollout import Advantages, LossNormalization, Rollout, RolloutSteps
 from .setup import SetupSteps, load_models, policy_tokenizer, resolve_stop_ids
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ class OnPolicyTrainer(
         metrics["timing/step"] = elapsed
         metrics["perf/tokens_per_sec"] = tokens / elapsed
         metrics["perf/episodes_per_sec"] = self.batch_size / elapsed
-        self.kl_ctl.update(metrics["objective/kl"], self.batch_size)
+        self.kl_ctl.update(metrics.get("objective/kl", 0.0), self.batch_size)
         metrics["objective/kl_coef"] = self.kl_ctl.value
         self._last_rollout, self._last_advantages = rollout, advantages
         return metrics
@@ -335,6 +335,15 @@ class OnPolicyTrainer(
     # ---- subclass hooks ---------------------------------------------------------------------------
 
     completions_per_prompt: int = 1
+    #: The config field that sets ``completions_per_prompt`` (named in error messages).
+    completions_per_prompt_name = "completions per prompt"
+
+    @property
+    def steps_per_update(self) -> int:
+        """How many of Trainer's *steps* (``global_step``, ``max_steps``, ``logging_steps``,
+        ``save_steps``, the learning-rate schedule) one update counts: 1 here (PPO and RLOO count updates,
+        as TRL 0.x did); GRPO counts optimizer steps, as TRL's GRPOTrainer does."""
+        return 1
 
     @property
     def needs_generation_logprobs(self) -> bool:
@@ -363,6 +372,7 @@ class OnPolicyTrainer(
         rows: torch.Tensor,
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
+        normalization: LossNormalization | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Step 7's loss of one micro-batch.
 
@@ -372,10 +382,14 @@ class OnPolicyTrainer(
             rows: (M,) long, the micro-batch's row indices into the rollout.
             logprobs: (M, R) log-probs of the responses under the current policy, with gradient.
             values: (M, R) the value model's current V(s_t), with gradient (PPO); None without one.
+            normalization: the denominators of the optimizer step's loss (tokens and sequences of the
+                whole mini-batch over all processes, :meth:`LossNormalization.denominator`): dividing the
+                micro-batch's summed loss by them makes it its share of the mini-batch's loss. None:
+                the micro-batch's own counts (``LossNormalization.local``), as when calling it directly.
 
         Returns:
-            ``(loss, metrics)``: the scalar loss to back-propagate (before the division by
-            ``gradient_accumulation_steps``) and detached scalar metrics (``loss/policy_avg``, ...).
+            ``(loss, metrics)``: the micro-batch's share of the mini-batch's loss, back-propagated as it
+            is, and detached scalar metrics (``loss/*`` are shares like the loss, the others means).
         """
         raise NotImplementedError
 
@@ -429,11 +443,17 @@ class OnPolicyTrainer(
         # and one past the last valid response column, from which each micro-batch's trim is read.
         query_start = F.first_true_indices(rollout.query_mask).cpu()
         response_end = (F.last_true_indices(rollout.response_mask) + 1).cpu()
-        for epoch in range(args.num_ppo_epochs):
-            generator = torch.Generator().manual_seed(
-                hash((args.seed, self.accelerator.process_index, update, epoch)) % (2**63)
+        orders = [
+            torch.randperm(
+                N,
+                generator=torch.Generator().manual_seed(
+                    hash((args.seed, self.accelerator.process_index, update, epoch)) % (2**63)
+                ),
             )
-            order_on_host = torch.randperm(N, generator=generator)
+            for epoch in range(args.num_ppo_epochs)
+        ]
+        normalizations = self._loss_normalizations(rollout, orders)
+        for epoch, order_on_host in enumerate(orders):
             order = order_on_host.to(rollout.response.device)
             for mini_batch in range(args.num_mini_batches):
                 for micro in range(accumulation_steps):
@@ -456,12 +476,19 @@ class OnPolicyTrainer(
                         logprobs, values, entropy = self._training_forward(model, rollout, rows, bounds)
                         if epoch == 0 and mini_batch == 0 and micro == 0:
                             self._check_ratio_at_start(logprobs.detach(), rollout, rows, stats)
-                        loss, metrics = self.compute_policy_loss(rollout, advantages, rows, logprobs, values)
+                        loss, metrics = self.compute_policy_loss(
+                            rollout, advantages, rows, logprobs, values, normalizations[epoch][mini_batch]
+                        )
+                        # The loss is already this micro-batch's share of the mini-batch's (its
+                        # denominators count the whole mini-batch): no division by the accumulation steps.
                         kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
-                        self.accelerator.backward(loss / accumulation_steps, **kwargs)
+                        self.accelerator.backward(loss, **kwargs)
                     stats["policy/entropy_avg"].append(F.masked_mean(entropy, rollout.response_mask[rows]))
                     for name, value in metrics.items():
-                        stats[name].append(value.detach().float())
+                        # loss/* are shares of the mini-batch's loss: x accumulation_steps, their mean over
+                        # the micro-batches is its sum, the mini-batch's loss.
+                        scale = accumulation_steps if name.startswith("loss/") else 1
+                        stats[name].append(value.detach().float() * scale)
                 if args.max_grad_norm and args.max_grad_norm > 0:
                     norm = compat.clip_grad_norm(self, model)
                     grad_norms.append(float(norm.item() if hasattr(norm, "item") else norm))
@@ -469,11 +496,129 @@ class OnPolicyTrainer(
                     # non-finite-step guard need not scan every gradient again.
                     self._reliability.guard.note_grad_norm(grad_norms[-1])
                 self.optimizer.step()
+                if self.steps_per_update > 1:
+                    self.lr_scheduler.step()  # a step is an optimizer step: the schedule moves with each
                 model.zero_grad()
         reduced = self._reduce_means({name: torch.stack(v).mean() for name, v in stats.items()})
         if grad_norms:
             reduced["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return reduced
+
+    def _loss_normalizations(
+        self, rollout: Rollout, orders: list[torch.Tensor]
+    ) -> list[list[LossNormalization]]:
+        """The denominators of every optimizer step of the update (per epoch, per mini-batch): the valid
+        tokens and the sequences with a valid token of the mini-batch, summed over its micro-batches and
+        over all processes (one collective for the whole update), divided by the number of processes
+        (data-parallel gradients are averaged over them)."""
+        args = self.args
+        mask = rollout.response_mask.cpu()
+        tokens, sequences = mask.sum(1).double(), mask.any(1).double()
+        size = args.local_mini_batch_size
+        counts = torch.stack(
+            [
+                torch.stack(
+                    [tokens[order].reshape(-1, size).sum(1), sequences[order].reshape(-1, size).sum(1)]
+                )
+                for order in orders
+            ]
+        )  # (epochs, 2, mini-batches)
+        world = self.accelerator.num_processes
+        if world > 1:
+            counts = self._all_reduce(counts.to(self.accelerator.device)).cpu()
+        counts = (counts / world).float()
+        device = rollout.response.device
+        return [
+            [
+                LossNormalization(
+                    tokens=counts[e, 0, m].to(device),
+                    sequences=counts[e, 1, m].to(device),
+                    max_length=args.response_length,
+                )
+                for m in range(counts.shape[2])
+            ]
+            for e in range(counts.shape[0])
+        ]
+
+    def kl_loss(self, rollout: Rollout, rows: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
+        """``kl_loss_coef`` x the per-token KL estimate (``kl_loss_estimator``) of the current policy
+        against the reference, for the loss (GRPO's ``beta`` term); None when ``kl_loss_coef`` is 0."""
+        if not self.args.kl_loss_coef:
+            return None
+        kl = F.kl_penalty(logprobs, rollout.ref_logprobs[rows], self.args.kl_loss_estimator)
+        return self.args.kl_loss_coef * kl
+
+    def token_policy_loss(
+        self,
+        rollout: Rollout,
+        advantages: torch.Tensor,
+        rows: torch.Tensor,
+        logprobs: torch.Tensor,
+        normalization: LossNormalization | None,
+        importance_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """PPO's clipped loss per token of the micro-batch ``rows``: the ratio per token or of the sequence
+        (``importance_sampling_level``), ``importance_weights`` ((M, R), or (M, 1) for a whole sequence),
+        the KL loss term (``kl_loss_coef``), reduced with ``loss_agg_mode`` by ``normalization`` (None:
+        the micro-batch's own counts). Returns ``(loss, metrics, aggregation)``: the metrics of
+        :meth:`policy_loss_metrics`, and the aggregation keywords (for a value loss reduced alike)."""
+        args = self.args
+        mask = rollout.response_mask[rows]
+        old = rollout.logprobs[rows]
+        if normalization is None:
+            normalization = LossNormalization.local(mask, args.response_length)
+        if importance_weights is not None and importance_weights.shape != mask.shape:
+            importance_weights = importance_weights.expand_as(mask)  # a sequence's weight at every token
+        aggregation = normalization.aggregation(args.loss_agg_mode)
+        kl_loss = self.kl_loss(rollout, rows, logprobs)
+        loss, pm = F.clipped_policy_loss(
+            self.ratio_logprobs(logprobs, old, mask),
+            old,
+            advantages,
+            mask,
+            clip_low=args.cliprange,
+            clip_high=args.cliprange_high,
+            dual_clip=args.dual_clip,
+            importance_weights=importance_weights,
+            extra_loss=kl_loss,
+            **aggregation,
+        )
+        return loss, self.policy_loss_metrics(loss, pm, kl_loss, mask), aggregation
+
+    def policy_loss_metrics(
+        self,
+        loss: torch.Tensor,
+        pm: dict[str, torch.Tensor],
+        kl_loss: torch.Tensor | None,
+        mask: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The metrics of a clipped policy loss (TRL's names): ``loss/policy_avg``, approx. KL, clip
+        fractions, ratio mean and variance, and ``policy/kl_loss_avg`` with a KL loss term."""
+        metrics = {
+            "loss/policy_avg": loss.detach(),
+            "policy/approxkl_avg": pm["approxkl"],
+            "policy/clipfrac_avg": pm["clipfrac"],
+            "policy/dual_clipfrac_avg": pm["dual_clipfrac"],
+            "val/ratio": pm["ratio_mean"],
+            "val/ratio_var": pm["ratio_var"],
+        }
+        if kl_loss is not None:
+            metrics["policy/kl_loss_avg"] = F.masked_mean(kl_loss.detach() / self.args.kl_loss_coef, mask)
+        return metrics
+
+    def ratio_logprobs(
+        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The log-probs whose difference to ``old_logprobs`` is the clipped ratio's log: ``logprobs`` for
+        ``importance_sampling_level='token'``; for ``'sequence'`` (GSPO) ``old + mean over the sequence's
+        valid tokens of (logprobs - old)`` at every token, so each token's ratio is the sequence's."""
+        if self.args.importance_sampling_level == "token":
+            return logprobs
+        mask = mask.to(logprobs.dtype)
+        mean = ((logprobs - old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(
+            1
+        )
+        return old_logprobs + mean.expand_as(logprobs)
 
     def _check_ratio_at_start(
         self,
@@ -575,6 +720,9 @@ class OnPolicyTrainer(
             "rollout/invalid_rewards": float((~ok).sum()),
             "rollout/reward_func_errors": float(self._gather(rollout.reward_func_errors.reshape(1)).sum()),
         }
+        if not self.args.uses_reference_model:
+            # No reference policy was run: there is no KL to report (it would read 0).
+            del metrics["objective/kl"], metrics["objective/non_score_reward"]
         for name, scores in rollout.per_source.items():
             values = self._gather(scores.float())
             finite = torch.isfinite(values)
@@ -654,15 +802,16 @@ class OnPolicyTrainer(
             self._enable_gradient_checkpointing()
         if resume_from_checkpoint is not None and not self.is_deepspeed_enabled:
             compat.load_from_checkpoint(self, resume_from_checkpoint)
+        steps = self.steps_per_update
         compat.init_training_state(
             self,
-            self.num_updates,
-            self.updates_per_data_epoch,
+            self.num_updates * steps,
+            self.updates_per_data_epoch * steps,
             math.ceil(self.num_updates / self.updates_per_data_epoch),
             resume_from_checkpoint,
             trial,
         )
-        model, _ = compat.prepare_for_training(self, self.num_updates, None, resume_from_checkpoint)
+        model, _ = compat.prepare_for_training(self, self.num_updates * steps, None, resume_from_checkpoint)
         if resume_from_checkpoint is not None:
             compat.load_rng_state(self, resume_from_checkpoint)
             self._load_onpolicy_state(resume_from_checkpoint)
@@ -688,7 +837,7 @@ class OnPolicyTrainer(
             self.evaluate()
         last_metrics: dict[str, float] = {}
         policy_losses: list[float] = []
-        while self.state.global_step < self.num_updates and not self.control.should_training_stop:
+        while self.state.global_step < self.num_updates * steps and not self.control.should_training_stop:
             last_metrics = self._training_step(model, sample_every)
             if "loss/policy_avg" in last_metrics:
                 policy_losses.append(last_metrics["loss/policy_avg"])
@@ -713,26 +862,49 @@ class OnPolicyTrainer(
         strategies (``eval_strategy``, ``save_strategy``, ``logging_strategy``) act at the end of each
         pass, and, as in ``Trainer``, at the end of a run that stops within one."""
         args = self.args
-        if self.state.global_step % self.updates_per_data_epoch == 0:
+        steps = self.steps_per_update
+        update = self.state.global_step // steps
+        if update % self.updates_per_data_epoch == 0:
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-        lr = compat.get_learning_rate(self)  # the rate this update trains with
-        metrics = self._update(model, self.state.global_step)
-        self.lr_scheduler.step()
-        self.state.global_step += 1
-        self.state.epoch = self.state.global_step / self.updates_per_data_epoch
+        lr = compat.get_learning_rate(self)  # the rate this update trains with (its first step's)
+        metrics = self._update(model, update)
+        if steps == 1:
+            self.lr_scheduler.step()  # (else stepped after each optimizer step, in _optimize)
+        self.state.global_step += steps
+        done = update + 1
+        self.state.epoch = done / self.updates_per_data_epoch
         metrics["lr"] = lr
-        metrics["episode"] = self.state.global_step * self.batch_size
+        metrics["episode"] = done * self.batch_size
         metrics["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
         for name, value in metrics.items():
             self._log_buffer[name].append(value)
-        if sample_every and (self.state.global_step - 1) % sample_every == 0:
+        if sample_every and update % sample_every == 0:
             self._log_samples(self._last_rollout)
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-        if self.state.global_step % self.updates_per_data_epoch == 0 or self.control.should_training_stop:
+        if steps > 1:
+            self._act_on_crossed_steps(self.state.global_step - steps, self.state.global_step)
+        if done % self.updates_per_data_epoch == 0 or self.control.should_training_stop:
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._log_save_evaluate(model)
         return metrics
+
+    def _act_on_crossed_steps(self, before: int, after: int) -> None:
+        """When an update counts several steps (``steps_per_update > 1``), log, evaluate and save at its
+        end if a logging / evaluation / save step fell within it (Trainer's flow callback only looks at
+        the step the update ended on)."""
+        state, args = self.state, self.args
+        for strategy, every, flag in (
+            (args.logging_strategy, state.logging_steps, "should_log"),
+            (args.eval_strategy, state.eval_steps, "should_evaluate"),
+            (args.save_strategy, state.save_steps, "should_save"),
+        ):
+            if (
+                str(getattr(strategy, "value", strategy)) == "steps"
+                and every
+                and after // every > before // every
+            ):
+                setattr(self.control, flag, True)
 
     def _log_save_evaluate(self, model: nn.Module) -> None:
         if self.control.should_log and self._log_buffer:

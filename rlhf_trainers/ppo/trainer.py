@@ -22,7 +22,7 @@ import torch
 from .. import functional as F
 from ..distributed import copy_model, full_state_dict, gathered, load_full_state_dict
 from ..models import _base, _is_peft_model, check_one_label, find_score_head, load_reward_model
-from ..onpolicy.rollout import Advantages, Rollout
+from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
 from .config import PPOConfig
 
@@ -169,49 +169,28 @@ class PPOTrainer(OnPolicyTrainer):
         rows: torch.Tensor,
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
+        normalization: LossNormalization | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped policy loss (each token weighted by the rollout's vLLM importance weights, if any) plus
-        ``vf_coef`` x clipped value loss; the value loss alone (the policy term with weight 0) during
+        """Clipped policy loss (each token weighted by the rollout's vLLM importance weights, if any; the
+        KL loss term with ``kl_loss_coef``) plus ``vf_coef`` x clipped value loss, both reduced with
+        ``loss_agg_mode`` over the mini-batch; the value loss alone (the policy term with weight 0) during
         ``critic_warmup_steps``."""
         args = self.args
-        mask = rollout.response_mask[rows]
         weights = rollout.sampling_weights[rows] if rollout.sampling_weights is not None else None
-        if weights is not None and weights.shape != mask.shape:  # a sequence mode: its ratio at every token
-            weights = weights.expand_as(mask)
-        pg_loss, pm = F.clipped_policy_loss(
-            logprobs,
-            rollout.logprobs[rows],
-            advantages.advantages[rows],
-            mask,
-            clip_low=args.cliprange,
-            clip_high=args.cliprange_high,
-            dual_clip=args.dual_clip,
-            loss_agg_mode=args.loss_agg_mode,
-            importance_weights=weights,
+        pg_loss, metrics, aggregation = self.token_policy_loss(
+            rollout, advantages.advantages[rows], rows, logprobs, normalization, weights
         )
         assert values is not None, "PPO's loss needs the value model's values"
+        mask = rollout.response_mask[rows]
         vf_loss, vm = F.clipped_value_loss(
-            values,
-            rollout.values[rows],
-            advantages.returns[rows],
-            mask,
-            args.cliprange_value,
-            loss_agg_mode=args.loss_agg_mode,
+            values, rollout.values[rows], advantages.returns[rows], mask, args.cliprange_value, **aggregation
         )
         warmup = self.state.global_step < args.critic_warmup_steps
         # During warmup the policy term is kept in the graph with weight 0: its gradients are zeros, not
         # missing, which DDP (find_unused_parameters=False) needs.
         loss = args.vf_coef * vf_loss + (0.0 if warmup else 1.0) * pg_loss
-        metrics = {
-            "loss/policy_avg": pg_loss.detach(),
-            "loss/value_avg": vf_loss.detach(),
-            "policy/approxkl_avg": pm["approxkl"],
-            "policy/clipfrac_avg": pm["clipfrac"],
-            "policy/dual_clipfrac_avg": pm["dual_clipfrac"],
-            "val/clipfrac_avg": vm["vf_clipfrac"],
-            "val/ratio": pm["ratio_mean"],
-            "val/ratio_var": pm["ratio_var"],
-        }
+        metrics["loss/value_avg"] = vf_loss.detach()
+        metrics["val/clipfrac_avg"] = vm["vf_clipfrac"]
         return loss, metrics
 
     def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:

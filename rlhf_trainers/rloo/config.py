@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..onpolicy.config import OnPolicyConfig
 
@@ -43,12 +43,36 @@ class RLOOConfig(OnPolicyConfig):
         },
     )
 
+    # ---- TRL 1.x names (RLOOTrainer rewritten in GRPO's style); None: not given ------------------
+    num_generations: int | None = field(
+        default=None, metadata={"help": "TRL 1.x name of rloo_k (completions per prompt)."}
+    )
+    beta: float | None = field(
+        default=None, metadata={"help": "TRL 1.x name of kl_coef (the KL penalty in the reward)."}
+    )
+    epsilon: float | None = field(default=None, metadata={"help": "TRL 1.x name of cliprange."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "TRL 1.x name of cliprange_high."})
+    num_iterations: int | None = field(default=None, metadata={"help": "TRL 1.x name of num_ppo_epochs."})
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "TRL 1.x name of response_length."}
+    )
+    normalize_advantages: bool | None = field(
+        default=None, metadata={"help": "TRL 1.x name of normalize_advantage."}
+    )
+
     def __post_init__(self) -> None:
+        self._apply_trl_names()
         super().__post_init__()
         if isinstance(self.rloo_k, bool) or not isinstance(self.rloo_k, int) or self.rloo_k < 2:
             raise ValueError(
                 f"rloo_k={self.rloo_k!r}: the leave-one-out baseline needs at least 2 completions per prompt; "
                 "set rloo_k=2 or more."
+            )
+        if self.importance_sampling_level == "sequence" and not self.token_level_kl:
+            raise ValueError(
+                "importance_sampling_level='sequence' with token_level_kl=False: RLOO's sequence-level loss "
+                "already uses the ratio of whole completions (of their summed log-probs). Set "
+                "token_level_kl=True for GSPO's length-normalized sequence ratio per token."
             )
         if self.whiten_rewards and not self.token_level_kl:
             raise ValueError(
@@ -71,3 +95,33 @@ class RLOOConfig(OnPolicyConfig):
                 "forward pass's log-probs against the generation's, which would then be the same numbers "
                 "(every weight 1). Use rollout_logprobs='forward' (or 'auto', which picks it here)."
             )
+
+    def _apply_trl_names(self) -> None:
+        """Set today's fields from the TRL 1.x names given. A field that differs from its default and from
+        the TRL name's value is a conflict (a field left at its default cannot be told apart from one set
+        to it, so only the TRL value counts then)."""
+        defaults = {f.name: f.default for f in fields(RLOOConfig)}
+        for trl_name, ours in TRL_NAMES.items():
+            value = getattr(self, trl_name)
+            if value is None:
+                continue
+            current = getattr(self, ours)
+            if current != defaults[ours] and current != value:
+                raise ValueError(
+                    f"{trl_name}={value!r} and {ours}={current!r} name the same setting (TRL 1.x's name and "
+                    f"the RLOO blog's) with different values; give one of them."
+                )
+            setattr(self, ours, value)
+
+
+#: TRL 1.x's RLOOConfig names -> the fields they set (TRL's batch semantics are GRPOConfig's; here a step
+#: stays one update, as in TRL 0.x's RLOOTrainer and the RLOO blog).
+TRL_NAMES = {
+    "num_generations": "rloo_k",
+    "beta": "kl_coef",
+    "epsilon": "cliprange",
+    "epsilon_high": "cliprange_high",
+    "num_iterations": "num_ppo_epochs",
+    "max_completion_length": "response_length",
+    "normalize_advantages": "normalize_advantage",
+}

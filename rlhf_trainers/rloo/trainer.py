@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import functional as F
-from ..onpolicy.rollout import Advantages, Rollout
+from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
+from ..reward_sources import split_reward_funcs
 from .config import RLOOConfig
 
 if TYPE_CHECKING:
@@ -61,7 +62,9 @@ class RLOOTrainer(OnPolicyTrainer):
         train_dataset / eval_dataset: prompts (``prompt`` text or chat messages, ``messages``, or
             ``input_ids``); other columns are passed to reward functions.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float]`` or a list of them, weighted by
-            ``RLOOConfig.reward_weights`` (reward model first).
+            ``RLOOConfig.reward_weights`` (reward model first); as in TRL 1.x, the list may also hold one
+            reward model (instance or path; its tokenizer in ``reward_processing_classes``), in which
+            case ``reward_weights`` follow the list's order.
         peft_config, callbacks, optimizers, data_collator: as for :class:`~rlhf_trainers.PPOTrainer`.
 
     The aliases are the names of the RLOO blog's snippet (TRL's first RLOOTrainer), so that code runs
@@ -95,6 +98,7 @@ class RLOOTrainer(OnPolicyTrainer):
         tokenizer: PreTrainedTokenizerBase | None = None,
         policy: str | os.PathLike[str] | PreTrainedModel | None = None,
         ref_policy: str | os.PathLike[str] | PreTrainedModel | None = None,
+        reward_processing_classes: Any = None,
     ) -> None:
         model = _alias("model", model, "policy", policy)
         ref_model = _alias("ref_model", ref_model, "ref_policy", ref_policy)
@@ -102,6 +106,14 @@ class RLOOTrainer(OnPolicyTrainer):
         processing_class = _alias("processing_class", processing_class, "tokenizer", tokenizer)
         if model is None:
             raise ValueError("RLOOTrainer needs a policy: model=<path, Hub id or causal-LM model>.")
+        if reward_funcs is not None and reward_model is None:
+            # TRL 1.x: a reward model may come in reward_funcs (alone or in a list with functions).
+            args = self._checked_args(args)
+            reward_model, reward_funcs, tokenizer_of_model, args.reward_weights = split_reward_funcs(
+                reward_funcs, reward_processing_classes, args.reward_weights
+            )
+            reward_processing_class = reward_processing_class or tokenizer_of_model
+            reward_funcs = reward_funcs or None
         super().__init__(
             model=model,
             ref_model=ref_model,
@@ -117,6 +129,8 @@ class RLOOTrainer(OnPolicyTrainer):
             reward_processing_class=reward_processing_class,
             data_collator=data_collator,
         )
+
+    completions_per_prompt_name = "rloo_k"
 
     @property
     def completions_per_prompt(self) -> int:  # type: ignore[override]
@@ -178,39 +192,39 @@ class RLOOTrainer(OnPolicyTrainer):
         rows: torch.Tensor,
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
+        normalization: LossNormalization | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO's clipped objective on the sequence log-prob (default; REINFORCE at ratio 1), or per token
-        (``token_level_kl``), weighted by the truncated importance weights when there are any."""
+        """PPO's clipped objective on the sequence log-prob (default; REINFORCE at ratio 1, the mean over
+        the mini-batch's sequences), or per token (``token_level_kl``, reduced with ``loss_agg_mode``),
+        weighted by the truncated importance weights when there are any; plus the KL loss term with
+        ``kl_loss_coef`` (per token, reduced like the loss)."""
         args = self.args
-        mask = rollout.response_mask[rows]
-        old = rollout.logprobs[rows]
         weights = advantages.importance_weights[rows] if advantages.importance_weights is not None else None
         if args.token_level_kl:
-            new_logprobs, old_logprobs, loss_mask, aggregation = logprobs, old, mask, args.loss_agg_mode
-        else:
-            # The whole completion is one action: its log-prob is the sum over its tokens.
-            new_logprobs = (logprobs * mask).sum(1, keepdim=True)
-            old_logprobs = (old * mask).sum(1, keepdim=True)
-            loss_mask, aggregation = mask.any(1, keepdim=True), "token-mean"
+            loss, metrics, _ = self.token_policy_loss(
+                rollout, advantages.advantages[rows], rows, logprobs, normalization, weights
+            )
+            return loss, metrics
+        mask = rollout.response_mask[rows]
+        old = rollout.logprobs[rows]
+        sequences = normalization.sequences if normalization is not None else mask.any(1).sum().float()
+        kl_loss = self.kl_loss(rollout, rows, logprobs)
+        # The whole completion is one action: its log-prob is the sum over its tokens, and the KL term
+        # the sequence's summed per-token estimate; the mean over the mini-batch's sequences.
         loss, pm = F.clipped_policy_loss(
-            new_logprobs,
-            old_logprobs,
+            (logprobs * mask).sum(1, keepdim=True),
+            (old * mask).sum(1, keepdim=True),
             advantages.advantages[rows],
-            loss_mask,
+            mask.any(1, keepdim=True),
             clip_low=args.cliprange,
             clip_high=args.cliprange_high,
             dual_clip=args.dual_clip,
-            loss_agg_mode=aggregation,
             importance_weights=weights,
+            extra_loss=None if kl_loss is None else (kl_loss * mask).sum(1, keepdim=True),
+            loss_agg_mode="token-mean",
+            denominator=sequences,
         )
-        metrics = {
-            "loss/policy_avg": loss.detach(),
-            "policy/approxkl_avg": pm["approxkl"],
-            "policy/clipfrac_avg": pm["clipfrac"],
-            "policy/dual_clipfrac_avg": pm["dual_clipfrac"],
-            "val/ratio": pm["ratio_mean"],
-            "val/ratio_var": pm["ratio_var"],
-        }
+        metrics = self.policy_loss_metrics(loss, pm, kl_loss, mask)
         return loss, metrics
 
     def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:

@@ -1,0 +1,197 @@
+"""GRPOTrainer: Group Relative Policy Optimization (Shao et al., 2024) on the on-policy engine, with TRL's
+GRPOTrainer interface (``GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+train_dataset=...)``).
+
+Per generation (one engine update, see ``OnPolicyTrainer._update``):
+
+1. ``num_generations`` completions per prompt (completion j of prompt i at row ``j * B + i``);
+2. the reward: the weighted sum of the reward functions / reward model (no KL in it);
+3. advantages: each completion's reward minus its group's mean, divided by the group's std
+   (``scale_rewards="group"``), the batch's (``"batch"``) or nothing (``"none"``), one per completion;
+4. ``num_iterations`` passes, each of ``steps_per_generation / gradient_accumulation_steps`` optimizer
+   steps: PPO's clipped loss per token (``epsilon``, ``epsilon_high``), or of the sequence's ratio
+   (``importance_sampling_level="sequence"``, GSPO), plus ``beta`` x k3 KL to the reference, reduced by
+   ``loss_type`` over the whole optimizer step (every micro-batch and process).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import functional as F
+from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
+from ..onpolicy.trainer import OnPolicyTrainer
+from ..reward_sources import split_reward_funcs
+from .config import GRPOConfig
+
+if TYPE_CHECKING:
+    import datasets
+    from peft import PeftConfig
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+
+
+class GRPOTrainer(OnPolicyTrainer):
+    """GRPO as a ``transformers.Trainer``, with the arguments of TRL's ``GRPOTrainer``.
+
+    Args:
+        model: the policy: a path, Hub id or causal-LM instance (or a PeftModel).
+        reward_funcs: one reward or a list of them, each a function ``f(prompts, completions, **columns)
+            -> list[float | None]`` (TRL's signature: the dataset's other columns arrive as keyword
+            arguments), or a one-label sequence-classification model (instance or path; at most one).
+            Weighted by ``GRPOConfig.reward_weights`` in the order given; ``None`` leaves a completion out.
+        args: a :class:`GRPOConfig`.
+        train_dataset / eval_dataset: prompts (``prompt`` text or chat messages, ``messages``, or
+            ``input_ids``); other columns are passed to the reward functions.
+        processing_class: the policy's tokenizer (with a pad token); None: loaded with ``model``.
+        reward_processing_classes: the tokenizer of the reward model, alone or in a list aligned with
+            ``reward_funcs`` (None entries for functions); None: the policy's tokenizer, or the one saved
+            with the reward model's path.
+        callbacks, optimizers, peft_config: as for ``transformers.Trainer`` / TRL.
+        ref_model: the reference for ``beta > 0``; None: a frozen copy of ``model`` (the base weights
+            under PEFT). Not built at all with ``beta == 0``.
+    """
+
+    _config_class = GRPOConfig
+    algorithm_name = "GRPO"
+    completions_per_prompt_name = "num_generations"
+    args: GRPOConfig
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | PreTrainedModel,
+        reward_funcs: Any,
+        args: GRPOConfig | None = None,
+        train_dataset: datasets.Dataset | None = None,
+        eval_dataset: datasets.Dataset | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase
+        | Sequence[PreTrainedTokenizerBase | None]
+        | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (
+            None,
+            None,
+        ),
+        peft_config: PeftConfig | None = None,
+        *,
+        ref_model: str | os.PathLike[str] | PreTrainedModel | None = None,
+        data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+    ) -> None:
+        args = self._checked_args(args)
+        reward_model, functions, reward_tokenizer, weights = split_reward_funcs(
+            reward_funcs, reward_processing_classes, args.reward_weights
+        )
+        args.reward_weights = weights
+        super().__init__(
+            model=model,
+            ref_model=ref_model,
+            reward_model=reward_model,
+            args=args,
+            processing_class=processing_class,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            reward_funcs=functions or None,
+            reward_processing_class=reward_tokenizer,
+            data_collator=data_collator,
+        )
+
+    @property
+    def completions_per_prompt(self) -> int:  # type: ignore[override]
+        return self.args.num_generations
+
+    @property
+    def steps_per_update(self) -> int:
+        """TRL's unit: a Trainer step is one optimizer step; a generation is ``num_iterations x
+        steps_per_generation / gradient_accumulation_steps`` of them."""
+        return self.args.optimizer_steps_per_generation
+
+    def batch_accounting(self) -> str:
+        """The sizes of one generation in TRL's terms, printed before training."""
+        args = self.args
+        world = self.accelerator.num_processes
+        per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        return (
+            f"GRPOTrainer: generation_batch_size {self.batch_size} completions = {self.prompts_per_update} prompts "
+            f"x num_generations {args.num_generations} ({args.local_batch_size} per process x {world} processes "
+            f"= steps_per_generation {args.steps_per_generation} x per_device_train_batch_size "
+            f"{args.per_device_train_batch_size}) -> num_iterations {args.num_iterations} x "
+            f"{args.num_mini_batches} optimizer step(s) of {per_step} completions (gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps}) = {self.steps_per_update} optimizer step(s) per generation; "
+            f"{self.num_updates * self.steps_per_update} optimizer steps ({self.num_updates} generations, "
+            f"{self.total_episodes} completions); loss_type {args.loss_type}, beta {args.beta} "
+            f"({'no reference model' if not args.uses_reference_model else 'reference model'}); generation: "
+            f"{self.generation_backend.name}."
+        )
+
+    def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
+        """Group-relative advantages of the sequence reward (``scale_rewards``), one per completion; the
+        vLLM importance weights of the rollout, if any, pass through to the loss."""
+        args = self.args
+        # GRPO puts no KL in the reward; kl_coef > 0 (not TRL's) subtracts it as RLOO does.
+        reward = rollout.scores - self.kl_ctl.value * rollout.kl.sum(1)
+        advantages = F.group_advantages(
+            reward,
+            args.num_generations,
+            args.scale_rewards,
+            valid=rollout.valid_rows,
+            all_reduce=self._all_reduce,
+        )
+        return Advantages(
+            advantages=advantages[:, None].to(torch.float32),
+            rlhf_reward=reward,
+            importance_weights=rollout.sampling_weights,
+        )
+
+    def compute_policy_loss(
+        self,
+        rollout: Rollout,
+        advantages: Advantages,
+        rows: torch.Tensor,
+        logprobs: torch.Tensor,
+        values: torch.Tensor | None,
+        normalization: LossNormalization | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO's clipped loss per token with the completion's advantage at every token (the sequence's
+        ratio with ``importance_sampling_level="sequence"``), weighted by the vLLM importance weights,
+        plus ``beta`` x the KL estimate, reduced by ``loss_type`` over the optimizer step."""
+        weights = advantages.importance_weights
+        loss, metrics, _ = self.token_policy_loss(
+            rollout,
+            advantages.advantages[rows],
+            rows,
+            logprobs,
+            normalization,
+            weights[rows] if weights is not None else None,
+        )
+        return loss, metrics
+
+    def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
+        """The engine's metrics plus GRPO's: ``objective/reward_std`` (mean over prompts of the std of
+        their group's rewards), ``objective/frac_reward_zero_std`` (groups whose rewards are all equal:
+        no learning signal, TRL's name) and ``rollout/num_completions_kept``."""
+        metrics = super().rollout_metrics(rollout, advantages)
+        G = self.args.num_generations
+        reward = advantages.rlhf_reward.float().reshape(G, -1)
+        ok = rollout.valid_rows.reshape(G, -1).all(0)
+        std = reward.std(0, unbiased=True)[ok]
+        sums = torch.stack(
+            [
+                std.sum(),
+                (std < 1e-8).float().sum(),
+                torch.tensor(float(std.numel()), device=std.device),
+                rollout.valid_rows.float().sum(),
+            ]
+        ).double()
+        sums = self._all_reduce(sums.to(self.accelerator.device)).cpu()
+        groups = float(sums[2])
+        metrics["objective/reward_std"] = float(sums[0]) / groups if groups else 0.0
+        metrics["objective/frac_reward_zero_std"] = float(sums[1]) / groups if groups else 0.0
+        metrics["rollout/num_completions_kept"] = float(sums[3])
+        return metrics
