@@ -4,6 +4,7 @@
 ``rlhf-trainers reward``  train a reward model (:mod:`rlhf_trainers.scripts.reward`)
 ``rlhf-trainers ppo``     train a policy with PPO (:mod:`rlhf_trainers.scripts.ppo`)
 ``rlhf-trainers rloo``    train a policy with RLOO (:mod:`rlhf_trainers.scripts.rloo`)
+``rlhf-trainers grpo``    train a policy with GRPO (:mod:`rlhf_trainers.scripts.grpo`)
 ``rlhf-trainers kit``     build the offline kit (or find it in the cache) and print where its assets are
 
 Each sub-command parses its own flags from dataclasses with ``transformers.HfArgumentParser``, so
@@ -25,11 +26,12 @@ _COMMANDS = {
     "reward": "train a reward model on preference pairs (RewardTrainer; every RewardConfig field is a flag)",
     "ppo": "train a policy with PPO (PPOTrainer; every PPOConfig field is a flag)",
     "rloo": "train a policy with RLOO (RLOOTrainer; every RLOOConfig field is a flag)",
+    "grpo": "train a policy with GRPO (GRPOTrainer, TRL's names; every GRPOConfig field is a flag)",
     "kit": "build the offline kit (tokenizer, tiny models, synthetic task) and print its paths",
 }
 
 #: The trainer sub-commands, each run by the module of the same name in rlhf_trainers.scripts.
-_TRAINER_COMMANDS = ("reward", "ppo", "rloo")
+_TRAINER_COMMANDS = ("reward", "ppo", "rloo", "grpo")
 
 
 @dataclass

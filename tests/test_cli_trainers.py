@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf_trainers import PPOConfig, RewardConfig, RLOOConfig
+from rlhf_trainers import GRPOConfig, PPOConfig, RewardConfig, RLOOConfig
 from rlhf_trainers.cli import main
 from rlhf_trainers.models import load_reward_model
 from rlhf_trainers.scripts import ppo as ppo_script
@@ -39,8 +39,9 @@ COMMANDS = {
     "reward": (RewardScriptArguments, DatasetArguments, LoraArguments, RewardConfig),
     "ppo": (PPOScriptArguments, DatasetArguments, LoraArguments, PPOConfig),
     "rloo": (OnPolicyScriptArguments, DatasetArguments, LoraArguments, RLOOConfig),
+    "grpo": (OnPolicyScriptArguments, DatasetArguments, LoraArguments, GRPOConfig),
 }
-EXAMPLES = {"reward": "reward_modeling.py", "ppo": "ppo.py", "rloo": "rloo.py"}
+EXAMPLES = {"reward": "reward_modeling.py", "ppo": "ppo.py", "rloo": "rloo.py", "grpo": "grpo.py"}
 
 # Small, quiet, CPU-only runs.
 QUIET = ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0"]
@@ -130,6 +131,7 @@ def test_examples_are_the_same_commands(command, monkeypatch, capsys):
     assert out.startswith(f"usage: {path.name} ")
     assert "--dataset_name" in out and "--use_peft" in out
     assert (command == "rloo") == ("--rloo_k" in out)
+    assert (command == "grpo") == ("--loss_type" in out)
     assert (command == "ppo") == ("--value_model_name_or_path" in out)
 
 
@@ -340,8 +342,23 @@ def test_reward_command_trains_on_a_local_preference_file(kit, tmp_path, capsys)
 def test_package_import_stays_light():
     code = (
         "import sys, rlhf_trainers.cli, rlhf_trainers.scripts._common, rlhf_trainers.scripts.ppo, "
-        "rlhf_trainers.scripts.rloo, rlhf_trainers.scripts.reward; "
+        "rlhf_trainers.scripts.rloo, rlhf_trainers.scripts.reward, rlhf_trainers.scripts.grpo; "
         "print(','.join(m for m in ('transformers', 'datasets', 'accelerate', 'peft', 'deepspeed') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == ""
+
+
+def test_grpo_command_learns_on_the_kit_in_optimizer_steps(tmp_path):
+    """``rlhf-trainers grpo`` on the kit: its defaults learn, and max_steps counts optimizer steps (4 per
+    generation with the kit defaults: num_iterations 2 x steps_per_generation 2)."""
+    results = main_grpo(["--output_dir", str(tmp_path / "grpo"), "--max_steps", "32", *QUIET])
+    assert results["global_step"] == 32
+    assert results["after"]["eval_objective/scores"] - results["before"]["eval_objective/scores"] > 0.2
+    assert (tmp_path / "grpo" / "model.safetensors").is_file()
+
+
+def main_grpo(argv: list[str]) -> dict:
+    from rlhf_trainers.scripts.grpo import main as grpo_main
+
+    return grpo_main(argv)

@@ -103,12 +103,12 @@ class GRPOConfig(OnPolicyConfig):
             "step, the same as 'dapo'). Counts cover the whole optimizer step on every process."
         },
     )
-    scale_rewards: Any = field(
+    scale_rewards: str = field(  # also True / False, TRL's older booleans
         default="group",
         metadata={
             "help": "Divide the group-centred rewards by the std of the group ('group'), of the whole batch "
-            "('batch') or not at all ('none'; Dr. GRPO). True / False mean 'group' / 'none' (TRL's older "
-            "booleans)."
+            "('batch') or not at all ('none'; Dr. GRPO). True / False (or 'true' / 'false') mean 'group' / "
+            "'none' (TRL's older booleans)."
         },
     )
 
@@ -161,9 +161,9 @@ class GRPOConfig(OnPolicyConfig):
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1.")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: expected one of {tuple(LOSS_TYPES)}.")
-        if self.scale_rewards is True:
+        if self.scale_rewards is True or self.scale_rewards == "true":
             self.scale_rewards = "group"
-        elif self.scale_rewards is False:
+        elif self.scale_rewards is False or self.scale_rewards == "false":
             self.scale_rewards = "none"
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(

@@ -53,6 +53,8 @@ class GRPOTrainer(OnPolicyTrainer):
         callbacks, optimizers, peft_config: as for ``transformers.Trainer`` / TRL.
         ref_model: the reference for ``beta > 0``; None: a frozen copy of ``model`` (the base weights
             under PEFT). Not built at all with ``beta == 0``.
+        reward_model: a reward model given apart (PPO's and RLOO's keyword), taken as the first entry of
+            ``reward_funcs`` (so ``reward_weights`` list its weight first).
     """
 
     _config_class = GRPOConfig
@@ -63,7 +65,7 @@ class GRPOTrainer(OnPolicyTrainer):
     def __init__(
         self,
         model: str | os.PathLike[str] | PreTrainedModel,
-        reward_funcs: Any,
+        reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: datasets.Dataset | None = None,
         eval_dataset: datasets.Dataset | None = None,
@@ -79,9 +81,20 @@ class GRPOTrainer(OnPolicyTrainer):
         peft_config: PeftConfig | None = None,
         *,
         ref_model: str | os.PathLike[str] | PreTrainedModel | None = None,
+        reward_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
     ) -> None:
         args = self._checked_args(args)
+        if reward_model is not None:
+            # The engine's keyword (PPO's and RLOO's): the reward model first, then the functions.
+            more = (
+                []
+                if reward_funcs is None
+                else list(reward_funcs)
+                if isinstance(reward_funcs, (list, tuple))
+                else [reward_funcs]
+            )
+            reward_funcs = [reward_model, *more]
         reward_model, functions, reward_tokenizer, weights = split_reward_funcs(
             reward_funcs, reward_processing_classes, args.reward_weights
         )
