@@ -119,6 +119,119 @@ def embedding_rows(model: Any) -> int:
     return int(embeddings.num_embeddings)
 
 
+def readable_pad_id(pad_token_id: int | None, rows: int) -> int | None:
+    """The id that padding positions hold in the input of a model with ``rows`` input embeddings: the pad
+    id itself where the model has a row for it, else 0.
+
+    The reference implementation, and the RLOO blog's snippet, add a ``[PAD]`` token to a tokenizer
+    without one (``tokenizer.add_special_tokens({"pad_token": "[PAD]"})``) and do not resize the model's
+    embeddings, so the pad id has no row; they replace pad ids by 0 before every forward pass. The
+    padding positions are masked out of attention, so the id they hold changes no output at a real token.
+    """
+    if pad_token_id is None or 0 <= pad_token_id < rows:
+        return pad_token_id
+    return 0
+
+
+def readable_ids(ids: torch.Tensor, pad_token_id: int | None, rows: int) -> torch.Tensor:
+    """``ids`` as a model with ``rows`` input embeddings can read them: every pad id replaced by
+    :func:`readable_pad_id` where the model has no embedding row for it; ``ids`` itself otherwise (no copy).
+
+    Only the pad id is replaced: any other id past the table is still an error of the caller's, raised by
+    the embedding lookup. The positions holding the pad id must be masked out of attention."""
+    fill = readable_pad_id(pad_token_id, rows)
+    if fill == pad_token_id:
+        return ids
+    return ids.masked_fill(ids == pad_token_id, fill)
+
+
+def score_head_module(model: nn.Module) -> tuple[str, nn.Module]:
+    """The output head of a sequence-classification model as a module, whatever wraps it (a PEFT
+    ``ModulesToSaveWrapper`` too): ``(attribute name, module)``.
+
+    Raises:
+        ValueError: if no head with one of the usual names (``score``, ``classifier``, ...) exists.
+    """
+    base = _base(model)
+    for name in _HEAD_NAMES:
+        head = getattr(base, name, None)
+        if isinstance(head, nn.Module):
+            return name, head
+    raise ValueError(
+        f"{type(base).__name__} has no scalar head named one of {_HEAD_NAMES}; pass a model created with "
+        "AutoModelForSequenceClassification (num_labels=1)."
+    )
+
+
+def pooled_scores(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pad_token_id: int | None,
+    *,
+    call: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Pooled logits (B, num_labels) of a sequence-classification model: its head's output at each row's
+    last real token (the last position ``attention_mask`` keeps; rows may be padded on either side).
+
+    Where the model has an embedding row for the pad id this is the model's own output: transformers reads
+    it at the rightmost token that is not ``config.pad_token_id``, which :func:`align_pad_token` set to the
+    pad id. Where it has none (a ``[PAD]`` token added without resizing, see :func:`readable_pad_id`), the
+    pad ids are replaced by 0 (:func:`readable_ids`), which transformers could no longer tell from a real
+    token 0, so the head's per-token output is taken (a forward hook on the head) and read at the last
+    position the mask keeps, as the reference implementation reads its reward.
+
+    Args:
+        model: the sequence-classification model (under a PEFT wrapper too); gives the embedding rows and
+            the head.
+        input_ids: (B, T) ids padded with ``pad_token_id``.
+        attention_mask: (B, T) 1 at real tokens.
+        pad_token_id: the id the rows are padded with.
+        call: replaces ``model.__call__`` (a DDP or DeepSpeed wrapper of it).
+        kwargs: passed to the call (e.g. ``position_ids``).
+
+    Raises:
+        ValueError: with a pad id past the embedding table, if the head is not applied per token (its
+            output is not (B, T, num_labels)).
+    """
+    call = call if call is not None else model
+    rows = embedding_rows(model)
+    if readable_pad_id(pad_token_id, rows) == pad_token_id:
+        return call(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+    name, head = score_head_module(model)
+    captured: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _module, _args, output: captured.append(output))
+    config = _base(model).config
+    # transformers refuses batches of more than one row without config.pad_token_id; the pooled output it
+    # computes from it is not used here.
+    unset = getattr(config, "pad_token_id", None) is None
+    try:
+        if unset:
+            config.pad_token_id = 0
+        call(input_ids=readable_ids(input_ids, pad_token_id, rows), attention_mask=attention_mask, **kwargs)
+    finally:
+        handle.remove()
+        if unset:
+            config.pad_token_id = None
+    per_token = captured[-1] if captured else None
+    if (
+        not isinstance(per_token, torch.Tensor)
+        or per_token.dim() != 3
+        or per_token.shape[:2] != input_ids.shape
+    ):
+        raise ValueError(
+            f"The pad token id ({pad_token_id}) is outside the {type(_base(model)).__name__}'s vocabulary "
+            f"({rows} token embeddings), so its score is read from the head's per-token output at the last "
+            f"real token; but its head ({name!r}) is not applied to every token. Call "
+            "model.resize_token_embeddings(len(tokenizer)) so that the pad token has an embedding."
+        )
+    columns = torch.arange(input_ids.shape[1], device=attention_mask.device)
+    last = torch.where(attention_mask.bool(), columns, -1).max(-1).values.clamp(min=0)
+    rows_index = torch.arange(per_token.shape[0], device=per_token.device)
+    return per_token[rows_index, last.to(per_token.device)]
+
+
 def context_length(model: Any) -> int | None:
     """Most positions the model was built for (``config.max_position_embeddings``, GPT-2's ``n_positions``),
     or None when its config does not say."""
@@ -400,7 +513,7 @@ def _load_adapter_folder(path: str | os.PathLike[str], kwargs: dict[str, Any]) -
         if pad is not None:
             from transformers import AutoTokenizer
 
-            merged.config.pad_token_id = AutoTokenizer.from_pretrained(str(path)).pad_token_id
+            align_pad_token(merged, AutoTokenizer.from_pretrained(str(path)))
     return merged
 
 
@@ -408,10 +521,13 @@ def align_pad_token(model: Any, tokenizer: PreTrainedTokenizerBase, what: str = 
     """Make the model pool at the tokenizer's pad token.
 
     Sequence-classification models find "the last real token" by looking for ``config.pad_token_id``;
-    with another id there the reward is read at the wrong position, silently.
+    with another id there the reward is read at the wrong position, silently. A pad id past the model's
+    embedding table (the reference implementation's ``[PAD]``, added without resizing) is not written
+    to the config (transformers would refuse to load the saved model: the embedding's ``padding_idx``
+    must be a row): :func:`pooled_scores` then reads the score at the last real token itself.
 
     Raises:
-        ValueError: if the tokenizer has no pad token, or one outside the model's vocabulary (with the fix).
+        ValueError: if the tokenizer has no pad token (with the fix).
     """
     if tokenizer.pad_token_id is None:
         raise ValueError(
@@ -420,14 +536,8 @@ def align_pad_token(model: Any, tokenizer: PreTrainedTokenizerBase, what: str = 
             "model.resize_token_embeddings(len(tokenizer)). Setting tokenizer.pad_token = tokenizer.eos_token "
             "also works for reward modeling, but then the score is read at the last token before the final EOS."
         )
-    rows = embedding_rows(model)
-    if not 0 <= tokenizer.pad_token_id < rows:
-        raise ValueError(
-            f"The pad token id of the {what}'s tokenizer ({tokenizer.pad_token_id}) is outside the {what}'s "
-            f"vocabulary ({rows} token embeddings): padded batches would index past its embedding table. After "
-            "adding a pad token, call model.resize_token_embeddings(len(tokenizer)), or use a pad token the "
-            "model already has."
-        )
+    if readable_pad_id(tokenizer.pad_token_id, embedding_rows(model)) != tokenizer.pad_token_id:
+        return
     config = _base(model).config
     if getattr(config, "pad_token_id", None) != tokenizer.pad_token_id:
         config.pad_token_id = tokenizer.pad_token_id

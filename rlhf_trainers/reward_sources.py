@@ -29,7 +29,14 @@ import torch
 from . import functional as F
 from .distributed import gathered
 from .generation import SamplingSettings, make_generation_backend
-from .models import align_pad_token, check_one_label, get_reward_normalization
+from .models import (
+    align_pad_token,
+    check_one_label,
+    embedding_rows,
+    get_reward_normalization,
+    pooled_scores,
+    readable_pad_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,19 +159,21 @@ def score_texts(
 
     The texts are tokenized as the reward trainer tokenizes its pairs (EOS appended when missing if
     ``add_eos``, the start cut when longer than ``max_length``). With ``normalize`` the stored gain and
-    bias are applied. ``forward`` replaces ``model.__call__`` (e.g. a DeepSpeed engine).
+    bias are applied. ``forward`` replaces ``model.__call__`` (e.g. a DeepSpeed engine). A tokenizer pad id
+    past the model's embedding table is replaced by 0 (:func:`rlhf_trainers.models.pooled_scores`).
     """
     device = next(model.parameters()).device
     gain, bias = get_reward_normalization(model) if normalize else (1.0, 0.0)
     call = forward or model
     gather = gathered(model) if forward is None else contextlib.nullcontext()
     with gather:
-        scores = _score_batches(call, tokenizer, texts, batch_size, max_length, add_eos, device)
+        scores = _score_batches(model, call, tokenizer, texts, batch_size, max_length, add_eos, device)
     raw = torch.cat(scores) if scores else torch.zeros(0)
     return raw * gain + bias
 
 
 def _score_batches(
+    model: PreTrainedModel,
     call: Callable[..., Any],
     tokenizer: PreTrainedTokenizerBase,
     texts: Sequence[str],
@@ -187,7 +196,9 @@ def _score_batches(
         for row, x in enumerate(ids):
             input_ids[row, : len(x)] = torch.tensor(x)
             attention[row, : len(x)] = 1
-        logits = call(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+        logits = pooled_scores(
+            model, input_ids.to(device), attention.to(device), tokenizer.pad_token_id, call=call
+        )
         scores.append(logits[:, 0].float().cpu())
     return scores
 
@@ -302,7 +313,9 @@ def score_ids(
     ``config.pad_token_id``: that is the last non-pad token whatever the padding side as long as
     ``config.pad_token_id == pad_token_id``, which is checked (:func:`rlhf_trainers.models.align_pad_token`
     sets it). If the pad id is also the EOS id, a final EOS counts as padding and the score is read at
-    the token before it.
+    the token before it. A pad id past the model's embedding table (a ``[PAD]`` token added without
+    resizing) never reaches the model: it is replaced by 0 and the score read at the last non-pad token
+    from the head's per-token output (:func:`rlhf_trainers.models.pooled_scores`).
 
     Args:
         model: a one-label sequence-classification model (its parameters give the device).
@@ -321,7 +334,9 @@ def score_ids(
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}.")
     config_pad = getattr(model.config, "pad_token_id", None)
-    if config_pad != pad_token_id:
+    # A pad id past the embedding table is read by pooled_scores at the last real token itself.
+    readable = readable_pad_id(pad_token_id, embedding_rows(model)) == pad_token_id
+    if readable and config_pad != pad_token_id:
         raise ValueError(
             f"The reward model pools at config.pad_token_id={config_pad}, but the ids are padded with "
             f"{pad_token_id}: the reward would be read at the wrong token. Call "
@@ -339,9 +354,9 @@ def score_ids(
         for start in range(0, ids.shape[0], batch_size):
             chunk = ids[start : start + batch_size].to(device)
             mask = (chunk != pad_token_id).long()
-            logits = call(
-                input_ids=chunk, attention_mask=mask, position_ids=F.position_ids_from_mask(mask)
-            ).logits
+            logits = pooled_scores(
+                model, chunk, mask, pad_token_id, call=call, position_ids=F.position_ids_from_mask(mask)
+            )
             if logits.dim() != 2 or logits.shape[-1] != 1:
                 raise ValueError(
                     "The reward model must return pooled logits of shape (batch, 1), as a one-label "

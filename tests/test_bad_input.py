@@ -135,13 +135,6 @@ def _pad_is_eos(assets: Assets) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _new_pad_token(assets: Assets) -> PreTrainedTokenizerBase:
-    """The RLOO blog's ``add_special_tokens({"pad_token": "[PAD]"})`` without resizing the embeddings."""
-    tok = assets.tokenizer()
-    tok.add_special_tokens({"pad_token": "[PAD]"})
-    return tok
-
-
 def _other_vocab_causal_lm(vocab_size: int = 448) -> LlamaForCausalLM:
     """A tiny causal LM whose vocabulary is the kit's other tokenizer's (448 ids, the policy has 627)."""
     config = LlamaConfig(
@@ -342,15 +335,6 @@ CASES: list[Case] = [
         TRAINERS,
         lambda a, t: {"processing_class": _tokenizer_with(a, pad_token=None)},
         (r"no pad token", r"add_special_tokens\(\{'pad_token': '<\|pad\|>'\}\)", r"resize_token_embeddings"),
-    ),
-    Case(
-        "pad token outside the model's vocabulary",
-        TRAINERS,
-        lambda a, t: {"processing_class": _new_pad_token(a)},
-        (
-            r"pad token id .*\(627\) is outside the (policy|reward model)'s vocabulary \(627",
-            r"resize_token_embeddings\(len\(tokenizer\)\)",
-        ),
     ),
     Case(
         "pad == eos, fixed-length responses (EOS inside them), reward model on the policy's ids",

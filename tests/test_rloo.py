@@ -186,14 +186,16 @@ def _replace_once(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-@pytest.fixture
-def blog_base_model(kit, tmp_path):
+@pytest.fixture(params=[640, None], ids=["spare-embedding-rows", "no-row-for-the-pad-token"])
+def blog_base_model(kit, tmp_path, request):
     """A kit model standing in for Pythia: its embedding table padded beyond the tokenizer (Pythia's 50304
     rows for 50277 tokens), so the snippet's added "[PAD]" token (id 627, past the kit's vocabulary) has
-    a row."""
+    a row; or left at the kit's 627 rows, so that it has none (the reference implementation's setting:
+    the pad id never reaches an embedding)."""
     folder = tmp_path / "base"
     model = kit.load_model("llama-sft")
-    model.resize_token_embeddings(640)
+    if request.param is not None:
+        model.resize_token_embeddings(request.param)
     model.save_pretrained(folder)
     kit.load_tokenizer().save_pretrained(folder)
     return folder
@@ -247,6 +249,9 @@ def test_the_rloo_blog_snippet_runs_unchanged(kit, tmp_path, monkeypatch, blog_b
     assert trainer.args.output_dir == "trainer_output"
     assert trainer.processing_class.pad_token == "[PAD]"
     assert trainer.processing_class.pad_token_id == len(tok)  # a new token past the kit vocabulary
+    # Without an embedding row for it, every forward pass reads 0 at the padding instead.
+    has_row = trainer.policy.get_input_embeddings().num_embeddings > len(tok)
+    assert trainer._input_pad_id == (len(tok) if has_row else 0)
     assert trainer.ref_model is namespace["ref_policy"] and trainer.reward_model is namespace["reward_model"]
     assert not torch.equal(_digest(trainer.policy), _digest(namespace["ref_policy"]))
     logged = [h for h in trainer.state.log_history if "objective/rlhf_reward" in h]
@@ -702,17 +707,6 @@ def test_errors_at_construction(kit, tmp_path):
         )
     with pytest.raises(ValueError, match="needs a policy"):
         RLOOTrainer(processing_class=tok, reward_funcs=true_reward, args=_config(tmp_path), train_dataset=ds)
-    # The blog's tokenizer.add_special_tokens({"pad_token": "[PAD]"}) without room in the embeddings.
-    padded = kit.load_tokenizer()
-    padded.add_special_tokens({"pad_token": "[PAD]"})
-    with pytest.raises(ValueError, match="outside the policy's vocabulary"):
-        RLOOTrainer(
-            policy=model,
-            tokenizer=padded,
-            reward_funcs=true_reward,
-            config=_config(tmp_path),
-            train_dataset=ds,
-        )
 
 
 @pytest.mark.parametrize(

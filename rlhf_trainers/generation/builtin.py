@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..models import embedding_rows, readable_ids
 from .base import ContextFactory, Samples, SamplingSettings, entered, eval_mode, padded_to
 
 __all__ = ["BuiltinSampling", "FastDecodingSteps", "FastStepsProvider", "sample_with_kv_cache"]
@@ -54,8 +55,12 @@ def sample_with_kv_cache(
 
     ``model`` is a causal LM (a ``transformers`` model or a PEFT model around one) whose forward accepts
     ``attention_mask``, ``position_ids``, ``past_key_values``, ``use_cache`` and ``logits_to_keep``;
-    ``input_ids`` and ``attention_mask`` (B, T) hold left-padded prompts.
+    ``input_ids`` and ``attention_mask`` (B, T) hold left-padded prompts. A ``settings.pad_token_id`` past
+    the model's embedding table never reaches it: the model reads 0 at the prompt's padding and after a
+    row's stop token (:func:`rlhf_trainers.models.readable_ids`); the returned tokens hold the pad id.
     """
+    rows = embedding_rows(model)
+    input_ids = readable_ids(input_ids, settings.pad_token_id, rows)
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp_min(0)
     next_position = mask.sum(1, keepdim=True)
@@ -78,9 +83,11 @@ def sample_with_kv_cache(
         token = torch.multinomial(probs, num_samples=1).squeeze(1)
         token = torch.where(unfinished, token, torch.full_like(token, settings.pad_token_id))
         tokens.append(token)
+        # What the model reads back: a stopped row's pad id as an id it has (its outputs are unused).
+        fed = readable_ids(token, settings.pad_token_id, rows)
         if settings.return_logprobs:
             log_probs = torch.log_softmax(scores, dim=-1)
-            chosen = log_probs.gather(1, token[:, None]).squeeze(1)
+            chosen = log_probs.gather(1, fed[:, None]).squeeze(1)
             entropy = -(probs * log_probs).nan_to_num().sum(-1)  # 0 * -inf at masked-out tokens counts 0
             logprobs.append(torch.where(unfinished, chosen, torch.zeros_like(chosen)))
             entropies.append(torch.where(unfinished, entropy, torch.zeros_like(entropy)))
@@ -91,11 +98,11 @@ def sample_with_kv_cache(
         if step == settings.max_new_tokens - 1:
             break
         if steps is not None:
-            logits = steps.step(token, next_position)
+            logits = steps.step(fed, next_position)
         else:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             out = model(
-                input_ids=token[:, None],
+                input_ids=fed[:, None],
                 attention_mask=mask,
                 position_ids=next_position,
                 past_key_values=out.past_key_values,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import functional as F
-from ..models import _base
+from ..models import _base, embedding_rows, readable_ids, readable_pad_id
 from .base import ContextFactory, Samples, SamplingSettings, entered, eval_mode, padded_to
 
 __all__ = ["TransformersGenerate", "generation_config_set_aside"]
@@ -75,17 +75,22 @@ class TransformersGenerate:
     def sample(
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings
     ) -> Samples:
-        """See :meth:`GenerationBackend.sample`."""
+        """See :meth:`GenerationBackend.sample`. A ``settings.pad_token_id`` past the model's embedding
+        table never reaches it: ``generate`` gets 0 at the prompt's padding and writes 0 after a row's stop
+        token (it feeds that token back), replaced by the pad id in what is returned."""
         from transformers import GenerationConfig
 
         stop_ids = list(settings.stop_token_ids)
+        rows = embedding_rows(self.model)
+        pad = settings.pad_token_id
+        generate_pad = readable_pad_id(pad, rows)
         config = GenerationConfig(
             max_new_tokens=settings.max_new_tokens,
             do_sample=True,
             temperature=settings.temperature,
             top_k=0,
             top_p=1.0,
-            pad_token_id=settings.pad_token_id,
+            pad_token_id=generate_pad,
             # [] (not None, which generate() would fill from the model's generation config): sample the
             # full length, with EOS a token like any other (LHPD's fixed-length responses).
             eos_token_id=stop_ids,
@@ -98,27 +103,29 @@ class TransformersGenerate:
         # suppress_tokens, ...) from the model's own generation_config: set a blank one aside meanwhile.
         with entered(self.contexts), eval_mode(model), generation_config_set_aside(model):
             out = model.generate(
-                input_ids=query_ids,
+                input_ids=readable_ids(query_ids, pad, rows),
                 attention_mask=query_mask,
                 generation_config=config,
                 synced_gpus=self.synced_ranks,
             )
         sequences = out.sequences if settings.return_logprobs else out
-        tokens = sequences[:, query_ids.shape[1] :]
+        generated = sequences[:, query_ids.shape[1] :]
+        # Positions after a row's stop token (generate pads them with generate_pad): the pad id.
+        done = torch.zeros_like(generated, dtype=torch.bool)
+        if stop_ids:
+            hits = torch.isin(generated, torch.tensor(stop_ids, device=generated.device))
+            done[:, 1:] = hits.cumsum(1)[:, :-1] > 0
+        tokens = generated.masked_fill(done, pad) if generate_pad != pad else generated
         samples = Samples(tokens)
         if settings.return_logprobs:
             logits = torch.stack(out.logits, dim=1)
             logprobs, entropy = F.logprobs_and_entropy_from_logits(
                 logits,
-                tokens,
+                generated,
                 settings.temperature,
                 compute_dtype=logits.dtype,
                 entropy_dtype=torch.float32,
             )
-            done = torch.zeros_like(tokens, dtype=torch.bool)
-            if stop_ids:
-                # Positions after a row's stop token (generate pads them): 0, as the builtin loop.
-                hits = torch.isin(tokens, torch.tensor(stop_ids, device=tokens.device))
-                done[:, 1:] = hits.cumsum(1)[:, :-1] > 0
+            # 0 after a row's stop token, as the builtin loop.
             samples = Samples(tokens, logprobs.float().masked_fill(done, 0.0), entropy.masked_fill(done, 0.0))
-        return padded_to(samples, settings.max_new_tokens, settings.pad_token_id)
+        return padded_to(samples, settings.max_new_tokens, pad)

@@ -249,7 +249,8 @@ def sequence_inputs(
     pad_token_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, attention_mask, position_ids)`` (B, Q + R) of left-padded queries followed by responses;
-    masked positions hold the pad token, and the position ids skip the padding (LHPD N3)."""
+    masked positions hold ``pad_token_id`` (the engine passes an id the models have an embedding row
+    for: :func:`rlhf_trainers.models.readable_pad_id`), and the position ids skip the padding (LHPD N3)."""
     ids = torch.cat([query, response], dim=1)
     mask = torch.cat([query_mask.bool(), response_mask], dim=1)
     ids = ids.masked_fill(~mask, pad_token_id)

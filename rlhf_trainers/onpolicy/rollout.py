@@ -324,7 +324,7 @@ class RolloutSteps:
         response: torch.Tensor,
         response_mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return sequence_inputs(query, query_mask, response, response_mask, self.processing_class.pad_token_id)
+        return sequence_inputs(query, query_mask, response, response_mask, self._input_pad_id)
 
     @torch.no_grad()
     def _reference_logprobs(
@@ -372,6 +372,7 @@ class RolloutSteps:
             ids, mask, positions = self._sequence_inputs(
                 query, query_mask[:, first:], response, response_mask[:, :end]
             )
+            response = ids[:, query.shape[1] :]  # padding as the forward passes read it (an id they have)
             if from_generation:
                 # The sampling loop's own log-probs (rollout_logprobs): no policy forward pass.
                 parts["logprobs"].append(samples.generation_logprobs[rows].masked_fill(~response_mask, 0.0))

@@ -156,14 +156,10 @@ def load_models(
     is_peft = _is_peft_model(policy)
     if ref_model is None and not is_peft and args.uses_reference_model:
         ref_model = copy_model(policy)
+    # A pad id past the embedding table (the RLOO blog's "[PAD]", added without resizing) is accepted:
+    # it never reaches an embedding (OnPolicyTrainer._input_pad_id, the generation backends, the reward
+    # model's pooled_scores).
     vocab = embedding_rows(policy)
-    if processing_class.pad_token_id >= vocab:
-        raise ValueError(
-            f"The tokenizer's pad token id ({processing_class.pad_token_id}) is outside the policy's "
-            f"vocabulary ({vocab} embeddings): padded batches would index past the embedding table. Call "
-            "model.resize_token_embeddings(len(tokenizer)) after adding the pad token, or use a pad token "
-            "the model already has."
-        )
     if ref_model is not None and embedding_rows(ref_model) != vocab:
         raise ValueError(
             f"The reference model's vocabulary ({embedding_rows(ref_model)}) differs from the policy's ({vocab}); "

@@ -39,7 +39,7 @@ from .. import functional as F
 from ..cpu_speedups import apply_host_memory_settings
 from ..data import PromptCollator
 from ..distributed_exit import tear_down_process_group_at_exit
-from ..models import _is_peft_model
+from ..models import _is_peft_model, readable_pad_id
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpointMixin, reliability_callback
 from ..reward_sources import RewardSources
@@ -125,6 +125,10 @@ class OnPolicyTrainer(
             self.build_value_model,
         )
         self.is_peft = models.is_peft
+        #: What padding positions hold in the input of every forward pass of the policy, reference and
+        #: value model: the pad id, or 0 where the policy has no embedding row for it (a "[PAD]" token added
+        #: without resizing, as the RLOO blog's snippet does; the positions are masked out of attention).
+        self._input_pad_id: int = readable_pad_id(processing_class.pad_token_id, models.vocab)
         self.ref_model = models.ref_model
         self.reward_model = models.reward_model
         self.reward_sources = RewardSources(
@@ -415,6 +419,7 @@ class OnPolicyTrainer(
         query, query_mask = query[:, first:], query_mask[:, first:]
         response, response_mask = response[:, :end], response_mask[:, :end]
         ids, mask, positions = self._sequence_inputs(query, query_mask, response, response_mask)
+        response = ids[:, query.shape[1] :]  # padding as the forward pass reads it (an id it has)
         logprobs, values, entropy = model(
             input_ids=ids,
             attention_mask=mask,

@@ -89,7 +89,10 @@ class PPOTrainer(OnPolicyTrainer):
         value_model: the critic (a one-label sequence-classification model or path; a fresh head is
             zero-initialised). None builds it per ``PPOConfig.value_model_init``.
         args: a :class:`PPOConfig`.
-        processing_class: the policy's tokenizer (must have a pad token).
+        processing_class: the policy's tokenizer (must have a pad token). Its pad id may lie past the
+            policy's embedding table (``add_special_tokens({"pad_token": "[PAD]"})`` without resizing, as
+            the reference implementation does): it never reaches an embedding, every model reads 0 at the
+            (masked) padding instead, which gives the numbers of an in-vocabulary pad token.
         train_dataset / eval_dataset: prompts: a ``prompt`` column of text or chat messages, a
             ``messages`` column, or ``input_ids``; other columns are passed to reward functions.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float]`` or a list of them, weighted by

@@ -18,6 +18,7 @@ from ..cpu_speedups import apply_host_memory_settings
 from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
 from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import (
+    _base,
     align_pad_token,
     check_fits_context,
     disable_dropout,
@@ -26,6 +27,8 @@ from ..models import (
     get_reward_normalization,
     has_peft_adapter,
     load_reward_model,
+    pooled_scores,
+    readable_pad_id,
     require_peft,
     seeded,
     set_reward_normalization,
@@ -85,7 +88,10 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
             chosen/rejected text, conversational messages, or ``input_ids_chosen``/``input_ids_rejected``;
             optional ``margin``. ``eval_dataset`` may be a dict of such datasets.
         processing_class: the tokenizer (default: loaded from ``model`` when it is a path). It must
-            have a pad token.
+            have a pad token; its id may lie past the model's embedding table (a ``[PAD]`` token added
+            without resizing): the model then reads 0 at the (masked) padding and the reward is read at
+            the last real token from the head's per-token output
+            (:func:`~rlhf_trainers.models.pooled_scores`); the saved config keeps the model's own pad id.
         peft_config: a PEFT config (e.g. ``LoraConfig``): the adapter and the score head are trained
             (the head is added to ``modules_to_save``).
         normalization_policy: the reference policy (path or causal-LM instance) whose samples define
@@ -135,6 +141,8 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
             model, init_head=args.init_reward_head, seed=args.seed, model_kwargs=args.model_init_kwargs
         )
         align_pad_token(model, processing_class)
+        # The model's own pad id, kept where the tokenizer's has no embedding row (see _readable_config_pad).
+        self._config_pad_token_id = _base(model).config.pad_token_id
         if args.disable_dropout:
             disable_dropout(model)
         self.head_is_new = head_is_new
@@ -250,8 +258,16 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen and rejected rewards (B,), float32, normalized by the stored gain and bias; one
-        forward pass over the 2B sequences (chosen rows first)."""
-        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        forward pass over the 2B sequences (chosen rows first). A pad id past the model's embedding table
+        (a ``[PAD]`` token added without resizing) never reaches it
+        (:func:`~rlhf_trainers.models.pooled_scores`)."""
+        logits = pooled_scores(
+            self.model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            self.processing_class.pad_token_id,
+            call=model,
+        )
         gain, bias = get_reward_normalization(self.model)
         rewards = logits[:, 0].float() * gain + bias
         half = rewards.shape[0] // 2
@@ -392,6 +408,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         self.interrupted = False
         apply_host_memory_settings(self)
         output = super().train(*args, **kwargs)
+        self._readable_config_pad()
         if when in ("after", "before_and_after"):
             self.normalize_rewards()
             if self.args.should_save and self.state.global_step > 0:
@@ -402,9 +419,20 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
 
     def write_model(self, output_dir: str, state_dict: dict[str, Any] | None = None) -> None:
         """``Trainer``'s model folder, plus ``reward_normalization.json`` (the gain and bias)."""
+        self._readable_config_pad()
         super().write_model(output_dir, state_dict)
         if self.args.should_save:
             write_reward_normalization(self.model, output_dir)
+
+    def _readable_config_pad(self) -> None:
+        """Put the model's own pad id back in its config where ``Trainer.train`` copied the tokenizer's into
+        it and that id has no embedding row (a ``[PAD]`` token added without resizing): saved there,
+        transformers could not load the model again (the embedding's ``padding_idx`` must be a row). The
+        scores never read it (:func:`~rlhf_trainers.models.pooled_scores` finds the last real token)."""
+        config = _base(self.model).config
+        pad = getattr(config, "pad_token_id", None)
+        if readable_pad_id(pad, embedding_rows(self.model)) != pad:
+            config.pad_token_id = self._config_pad_token_id
 
 
 def _checked_arguments(

@@ -58,7 +58,10 @@ class RLOOTrainer(OnPolicyTrainer):
         reward_model: a one-label sequence-classification model or its path (its normalization is
             applied); may use another tokenizer (``reward_processing_class``).
         args: an :class:`RLOOConfig` (alias: ``config``).
-        processing_class: the policy's tokenizer, with a pad token (alias: ``tokenizer``).
+        processing_class: the policy's tokenizer, with a pad token (alias: ``tokenizer``). Its pad id may
+            lie past the policy's embedding table (the blog's ``add_special_tokens({"pad_token": "[PAD]"})``
+            on a model without spare rows): it never reaches an embedding, every model reads 0 at the
+            (masked) padding instead, which gives the numbers of an in-vocabulary pad token.
         train_dataset / eval_dataset: prompts (``prompt`` text or chat messages, ``messages``, or
             ``input_ids``); other columns are passed to reward functions.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float]`` or a list of them, weighted by
