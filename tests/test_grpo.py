@@ -510,3 +510,118 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(kit, tmp_path):
     assert rollout.response_mask[~truncated].any(1).all()
     # their rewards still count in the group statistics
     assert rollout.valid_rows[truncated].all()
+
+
+# ---- REINFORCE++ and the other estimators ------------------------------------------------------------
+
+
+def _whiten_by_hand(values: list[float]) -> list[float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)  # unbiased, as verl's masked_whiten
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+
+def test_reinforce_plus_plus_by_hand():
+    rewards = torch.tensor([[0.1, -0.2, 1.0], [0.0, 2.0, 9.0], [0.3, 0.0, 0.5]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    gamma = 0.9
+    # discounted returns of the valid tokens, computed backwards per row
+    returns = []
+    for row, m in zip(rewards.tolist(), mask.tolist(), strict=True):
+        valid = [r for r, keep in zip(row, m, strict=True) if keep]
+        out, running = [], 0.0
+        for r in reversed(valid):
+            running = r + gamma * running
+            out.append(running)
+        returns.append(list(reversed(out)))
+    flat = _whiten_by_hand([v for row in returns for v in row])
+    got = F.reinforce_plus_plus_advantages(rewards, mask, gamma=gamma)
+    assert got[mask].tolist() == pytest.approx(flat, abs=1e-5)
+    assert got[~mask].tolist() == [0.0]
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    # k=2 completions of B=2 prompts (rows 0, 2 are prompt 0; rows 1, 3 prompt 1); one row invalid
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0], [2.0, 0.0], [0.5, 0.5]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1]], dtype=torch.bool)
+    totals = [1.0, 3.0, 2.0, 1.0]
+    means = [(1.0 + 2.0) / 2, (3.0 + 1.0) / 2]
+    centred = [totals[0] - means[0], totals[1] - means[1], totals[2] - means[0], totals[3] - means[1]]
+    per_token = [centred[0]] * 2 + [centred[1]] * 2 + [centred[2]] + [centred[3]] * 2
+    got = F.reinforce_plus_plus_advantages(rewards, mask, k=2)
+    assert got[mask].tolist() == pytest.approx(_whiten_by_hand(per_token), abs=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_other_advantage_estimators(kit, tmp_path, estimator):
+    trainer = _trainer(kit, tmp_path, advantage_estimator=estimator, kl_coef=0.05)
+    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rewards = trainer.token_rewards(rollout)
+    got = trainer.compute_advantages(rollout, rewards).advantages
+    if estimator == "rloo":
+        expected = F.rloo_advantages(rollout.scores - 0.05 * rollout.kl.sum(1), 4, valid=rollout.valid_rows)[
+            :, None
+        ]
+    else:
+        k = 4 if estimator.endswith("baseline") else None
+        expected = F.reinforce_plus_plus_advantages(
+            rewards, rollout.response_mask, k=k, valid=rollout.valid_rows
+        )
+    torch.testing.assert_close(got, expected.float())
+    trainer.train()  # the loss takes per-token and per-sequence advantages alike
+
+
+# ---- dynamic sampling and PPO with several completions per prompt -------------------------------------
+
+
+def _half_constant_reward(prompts, completions, **kwargs):
+    """The true reward, except for prompts of even length, whose completions all get 0.5 (no signal)."""
+    true = true_reward(prompts, completions)
+    return [0.5 if len(p) % 2 == 0 else r for p, r in zip(prompts, true, strict=True)]
+
+
+def test_dynamic_sampling_replaces_groups_without_signal(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, reward_funcs=_half_constant_reward, dynamic_sampling=True)
+    k, B = 4, trainer.local_prompts
+    batch = trainer._prompt_batch(0)
+    samples = trainer.sample_responses(batch, k)
+    scores = trainer.score_samples(samples)
+    assert not trainer._group_signal(samples, scores, k).all(), "the test needs groups without signal"
+    kept, kept_scores = trainer.dynamic_sampling(batch, samples, scores, update=0)
+    assert kept.response.shape[0] == k * B and len(kept.prompts) == k * B
+    assert trainer._group_signal(kept, kept_scores, k).all()
+    for g in range(B):  # a group's rows are completions of one prompt
+        assert len({kept.prompts[j * B + g] for j in range(k)}) == 1
+    # reproducible: the same update draws the same extra prompts
+    again, _ = trainer.dynamic_sampling(batch, samples, scores, update=0)
+    assert again.prompts == kept.prompts
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "rollout/dynamic_sampling_rounds" in h]
+    assert logged and logged[0]["rollout/dynamic_sampling_rounds"] >= 2
+    assert logged[0]["rollout/dynamic_sampling_groups_short"] == 0
+    assert logged[0]["objective/frac_reward_zero_std"] == 0
+
+
+def test_dynamic_sampling_fills_with_dropped_groups_after_the_last_round(kit, tmp_path):
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = _trainer(
+        kit, tmp_path, reward_funcs=constant, dynamic_sampling=True, dynamic_sampling_max_rounds=2
+    )
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "rollout/dynamic_sampling_rounds" in h]
+    assert logged[0]["rollout/dynamic_sampling_rounds"] == 2
+    assert logged[0]["rollout/dynamic_sampling_groups_short"] == trainer.local_prompts
+    with pytest.raises(ValueError, match="dynamic_sampling=True with num_generations=1"):
+        from rlhf_trainers import PPOConfig, PPOTrainer
+
+        PPOTrainer(
+            model=kit.load_model("llama-sft"),
+            reward_funcs=true_reward,
+            args=PPOConfig(
+                output_dir=str(tmp_path / "ppo"), dynamic_sampling=True, use_cpu=True, report_to="none"
+            ),
+            train_dataset=kit.prompt_dataset("train", n=64),
+            processing_class=kit.load_tokenizer(),
+        )

@@ -862,3 +862,19 @@ def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(k
     assert len(grads_t) == len(grads_f) > 0
     for a, b in zip(grads_t, grads_f, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_several_completions_per_prompt(kit, tmp_path):
+    """num_generations=2: each prompt sampled twice (completion j of prompt i at row j * B + i), each
+    completion its own GAE episode; the rollout per process must be a multiple of it."""
+    trainer = _trainer(kit, tmp_path, num_generations=2, max_steps=2)
+    assert trainer.local_prompts == 4 and trainer.prompts_per_update == 4
+    rollout = trainer.rollout(trainer._prompt_batch(0))
+    assert torch.equal(rollout.query[:4], rollout.query[4:])
+    assert rollout.response.shape[0] == 8
+    trainer.train()
+    assert trainer.state.global_step == 2
+    with pytest.raises(ValueError, match="multiple of num_generations=3"):
+        _trainer(kit, tmp_path, num_generations=3)
+    with pytest.raises(ValueError, match="num_generations=0"):
+        _config(tmp_path, num_generations=0)

@@ -32,7 +32,8 @@ The math of the reference implementations:
 :mod:`~rlhf_trainers.functional.advantages` -- advantages
     :func:`gae_advantages` (carry-forward masking, decoupled and length-adaptive lambda),
     :func:`rloo_advantages` (leave-one-out baseline, optionally over the valid completions only),
-    :func:`group_advantages` (GRPO's group-normalized advantages, ``scale_rewards``).
+    :func:`group_advantages` (GRPO's group-normalized advantages, ``scale_rewards``),
+    :func:`reinforce_plus_plus_advantages` (REINFORCE++, with and without the group baseline).
 :mod:`~rlhf_trainers.functional.responses` -- responses
     :func:`first_true_indices`, :func:`last_true_indices`, :func:`truncate_response`,
     :func:`stop_token_found`, :func:`apply_rejection_penalty`, :func:`position_ids_from_mask`.
@@ -51,7 +52,13 @@ Apart from it, how log-probabilities are computed without large temporaries:
 
 from __future__ import annotations
 
-from .advantages import SCALE_REWARDS, gae_advantages, group_advantages, rloo_advantages
+from .advantages import (
+    SCALE_REWARDS,
+    gae_advantages,
+    group_advantages,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .logprob_kernels import (
     entropy_from_logits,
@@ -105,6 +112,7 @@ __all__ = [
     "normalize_rewards_gain_bias",
     "overlong_penalty",
     "position_ids_from_mask",
+    "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "scale_rewards",
     "stop_token_found",

@@ -8,9 +8,15 @@ import torch
 from torch import Tensor
 
 from ._common import _AllReduce, _out_dtype, _valid, _work_dtype, _zero_invalid
-from .stats import masked_var
+from .stats import masked_var, whiten
 
-__all__ = ["SCALE_REWARDS", "gae_advantages", "group_advantages", "rloo_advantages"]
+__all__ = [
+    "SCALE_REWARDS",
+    "gae_advantages",
+    "group_advantages",
+    "reinforce_plus_plus_advantages",
+    "rloo_advantages",
+]
 
 #: Valid ``scale`` names of :func:`group_advantages` (TRL's ``scale_rewards``).
 SCALE_REWARDS = ("group", "batch", "none")
@@ -295,3 +301,54 @@ def group_advantages(
         advantages = centred
     advantages = torch.where(grouped_valid, advantages, torch.zeros_like(advantages))
     return advantages.reshape(rewards.shape).to(_out_dtype(rewards))
+
+
+def reinforce_plus_plus_advantages(
+    rewards: Tensor,
+    mask: Tensor,
+    gamma: float = 1.0,
+    k: int | None = None,
+    valid: Tensor | None = None,
+    *,
+    all_reduce: _AllReduce | None = None,
+) -> Tensor:
+    """REINFORCE++ advantages (Hu, 2025; verl's ``reinforce_plus_plus`` and
+    ``reinforce_plus_plus_baseline``): no critic, the batch's statistics as the baseline.
+
+    * Without ``k``: each token's discounted return ``sum_{s >= t} gamma^(s - t) r_s`` of the per-token
+      rewards (the KL penalty per token, the score at the last token), whitened over the valid tokens of
+      the batch (all processes with ``all_reduce``; unbiased variance, as verl).
+    * With ``k`` (REINFORCE++-baseline): each sequence's total reward minus the mean of its prompt's group
+      of ``k`` (completion j of prompt i at row ``j * B + i``), at every token of the sequence, whitened
+      over the valid tokens of the batch.
+
+    Args:
+        rewards: (N, R) per-token rewards.
+        mask: (N, R) valid response tokens.
+        gamma: discount in [0, 1] of the returns (no ``k``).
+        k: completions per prompt for the group baseline; None: the plain REINFORCE++.
+        valid: (N,) rows that take part in the group means (with ``k``); None: rows with a valid token.
+        all_reduce: sums a tensor over processes, for the whitening statistics.
+
+    Returns:
+        (N, R) float32 advantages, 0 at masked tokens.
+    """
+    gamma = _check_unit_interval("gamma", gamma)
+    token_mask = _valid(mask, rewards)
+    masked = torch.where(token_mask, rewards.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    if k is None:
+        returns = torch.zeros_like(masked)
+        running = torch.zeros_like(masked[:, 0])
+        for t in range(masked.shape[1] - 1, -1, -1):
+            running = masked[:, t] + gamma * running
+            returns[:, t] = running
+        centred = returns
+    else:
+        rows = token_mask.any(1) if valid is None else _valid(valid, rewards[:, 0]) & token_mask.any(1)
+        totals = masked.sum(1)
+        grouped, grouped_valid = totals.reshape(k, -1), rows.reshape(k, -1)
+        counted = grouped_valid.to(torch.float64)
+        mean = (grouped * counted).sum(0, keepdim=True) / counted.sum(0, keepdim=True).clamp_min(1)
+        centred = (grouped - mean).reshape(-1)[:, None].expand_as(masked)
+    advantages = whiten(centred, token_mask, shift_mean=True, unbiased=True, all_reduce=all_reduce)
+    return torch.where(token_mask, advantages, torch.zeros_like(advantages)).float()

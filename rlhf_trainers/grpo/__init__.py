@@ -1,7 +1,7 @@
 """GRPO: group-relative advantages over num_generations completions per prompt, with TRL's GRPOTrainer
 names and batch semantics, on the on-policy engine."""
 
-from .config import LOSS_TYPES, GRPOConfig
+from .config import ADVANTAGE_ESTIMATORS, LOSS_TYPES, GRPOConfig
 from .trainer import GRPOTrainer
 
-__all__ = ["LOSS_TYPES", "GRPOConfig", "GRPOTrainer"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "LOSS_TYPES", "GRPOConfig", "GRPOTrainer"]

@@ -20,6 +20,9 @@ LOSS_TYPES = {
     "dr_grpo": "seq-mean-token-sum-norm",
 }
 
+#: ``advantage_estimator`` values (verl's ``adv_estimator`` names).
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
 #: TRL name -> the engine field it sets (both may be given only with the same value).
 _ENGINE_NAMES = {
     "num_iterations": "num_ppo_epochs",
@@ -112,6 +115,17 @@ class GRPOConfig(OnPolicyConfig):
         },
     )
 
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "How the advantages are computed (verl's adv_estimator names): 'grpo' (the group-relative "
+            "reward, scale_rewards), 'rloo' (the reward minus the mean of the group's other completions), "
+            "'reinforce_plus_plus' (per-token returns of the rewards, KL in the reward per token with "
+            "kl_coef, whitened over the batch) or 'reinforce_plus_plus_baseline' (the reward minus its group's "
+            "mean, whitened over the batch's tokens)."
+        },
+    )
+
     # ---- engine fields set from TRL's (None: derived) --------------------------------------------
     num_ppo_epochs: int | None = field(  # type: ignore[assignment]
         default=None, metadata={"help": "Set from num_iterations; leave unset."}
@@ -159,6 +173,10 @@ class GRPOConfig(OnPolicyConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1.")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r}: expected one of {ADVANTAGE_ESTIMATORS}."
+            )
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: expected one of {tuple(LOSS_TYPES)}.")
         if self.scale_rewards is True or self.scale_rewards == "true":

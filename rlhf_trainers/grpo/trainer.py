@@ -144,20 +144,26 @@ class GRPOTrainer(OnPolicyTrainer):
         )
 
     def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
-        """Group-relative advantages of the sequence reward (``scale_rewards``), one per completion; the
-        vLLM importance weights of the rollout, if any, pass through to the loss."""
+        """The advantages of ``advantage_estimator``: group-relative (``scale_rewards``) or leave-one-out,
+        one per completion, or REINFORCE++'s per token; the vLLM importance weights of the rollout, if any,
+        pass through to the loss."""
         args = self.args
         # GRPO puts no KL in the reward; kl_coef > 0 (not TRL's) subtracts it as RLOO does.
         reward = rollout.scores - self.kl_ctl.value * rollout.kl.sum(1)
-        advantages = F.group_advantages(
-            reward,
-            args.num_generations,
-            args.scale_rewards,
-            valid=rollout.valid_rows,
-            all_reduce=self._all_reduce,
-        )
+        G, valid, estimator = args.num_generations, rollout.valid_rows, args.advantage_estimator
+        if estimator == "grpo":
+            advantages = F.group_advantages(
+                reward, G, args.scale_rewards, valid=valid, all_reduce=self._all_reduce
+            )[:, None]
+        elif estimator == "rloo":
+            advantages = F.rloo_advantages(reward, G, valid=valid)[:, None]
+        else:  # REINFORCE++: the per-token rewards (KL penalty per token, the score at the last token)
+            k = G if estimator == "reinforce_plus_plus_baseline" else None
+            advantages = F.reinforce_plus_plus_advantages(
+                rewards, rollout.response_mask, k=k, valid=valid, all_reduce=self._all_reduce
+            )
         return Advantages(
-            advantages=advantages[:, None].to(torch.float32),
+            advantages=advantages.to(torch.float32),
             rlhf_reward=reward,
             importance_weights=rollout.sampling_weights,
         )

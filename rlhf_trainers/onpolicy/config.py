@@ -286,6 +286,20 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "completions' baselines and group statistics. Needs a stop token."
         },
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling (verl's filter_groups): a prompt whose completions all got the "
+            "same shaped score teaches nothing (zero advantage); drop such groups and generate for more "
+            "prompts until the rollout is full of groups with a signal, at most dynamic_sampling_max_rounds "
+            "generations per update (after that the dropped groups fill the rest). Needs 2 or more "
+            "completions per prompt. Counted in rollout/dynamic_sampling_*."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=4,
+        metadata={"help": "Generations per update at most with dynamic_sampling (the first included)."},
+    )
     reward_batch_size: int = field(default=64, metadata={"help": "Rows per reward-model forward pass."})
     reward_func_errors: str = field(
         default="raise",
@@ -494,6 +508,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "response_length",
             "reward_batch_size",
             "kl_horizon",
+            "dynamic_sampling_max_rounds",
             "sample_table_size",
         ):
             value = getattr(self, name)

@@ -301,6 +301,62 @@ class RolloutSteps:
             timings["timing/reward"] += time.perf_counter() - began
         return Scores(completions, total.to(device), per_source, found_stop, errors)
 
+    # ---- 3b. dynamic sampling (DAPO) --------------------------------------------------------------
+
+    def dynamic_sampling(
+        self,
+        batch: dict[str, Any],
+        samples: SampledResponses,
+        scores: Scores,
+        update: int,
+        timings: dict[str, float] | None = None,
+    ) -> tuple[SampledResponses, Scores]:
+        """DAPO's dynamic sampling: keep the prompts whose completions' shaped scores differ (a group of
+        equal scores has zero advantage), and generate for more prompts (drawn at random, reproducibly
+        from ``seed``, the update and the round) until this process has ``local_prompts`` such groups or
+        ``dynamic_sampling_max_rounds`` generations were made; dropped groups fill what is still missing.
+        Every process runs the same number of rounds (one all-reduce per round), since generation and
+        scoring may be collective (ZeRO-3). Returns the samples and scores of the chosen groups, in the
+        engine's layout (completion j of group g at row ``j * B + g``)."""
+        k, B = self.completions_per_prompt, self.local_prompts
+        pieces = [(samples, scores)]
+        signal = [self._group_signal(samples, scores, k)]
+        while len(pieces) < self.args.dynamic_sampling_max_rounds:
+            missing = torch.tensor(
+                [float(sum(int(s.sum()) for s in signal) < B)], device=samples.response.device
+            )
+            if self.accelerator.num_processes > 1:
+                missing = self.accelerator.reduce(missing, reduction="sum")
+            if not float(missing):
+                break
+            extra = self._extra_prompt_batch(update, len(pieces))
+            more = self.sample_responses(extra, k, self._wants_generation_logprobs(), timings)
+            more_scores = self.score_samples(more, timings)
+            pieces.append((more, more_scores))
+            signal.append(self._group_signal(more, more_scores, k))
+        chosen = [(a, int(g)) for a, s in enumerate(signal) for g in s.nonzero().flatten()][:B]
+        short = B - len(chosen)
+        chosen += [(a, int(g)) for a, s in enumerate(signal) for g in (~s).nonzero().flatten()][:short]
+        self._dynamic_sampling_stats = torch.tensor(
+            [float(len(pieces)), float(sum(int((~s).sum()) for s in signal)), float(short)]
+        )
+        return _take_groups(pieces, chosen, k, self.processing_class.pad_token_id)
+
+    def _group_signal(self, samples: SampledResponses, scores: Scores, k: int) -> torch.Tensor:
+        """(B,) bool: the prompt's valid completions (2 or more) got different shaped scores."""
+        shaped, valid = self._shape_scores(scores.total, samples.lengths, scores.found_stop)
+        grouped, ok = shaped.reshape(k, -1), valid.reshape(k, -1)
+        high = torch.where(ok, grouped, torch.full_like(grouped, -torch.inf)).amax(0)
+        low = torch.where(ok, grouped, torch.full_like(grouped, torch.inf)).amin(0)
+        return (ok.sum(0) >= 2) & (high > low)
+
+    def _extra_prompt_batch(self, update: int, round_: int) -> dict[str, Any]:
+        """``local_prompts`` prompts drawn at random for a further round of dynamic sampling; the draw
+        depends on the seed, the update, the round and the process only (resume-safe)."""
+        seed = hash((self.args.seed, update, round_, self.accelerator.process_index)) % (2**63)
+        perm = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(seed))
+        return self.data_collator([self.train_dataset[i] for i in perm[: self.local_prompts].tolist()])
+
     def sample_and_score(self, batch: dict[str, Any]) -> tuple[SampledResponses, Scores]:
         """Steps 2 and 3 for one collated prompt batch, one response each (what evaluation runs)."""
         samples = self.sample_responses(batch)
@@ -499,3 +555,59 @@ class RolloutSteps:
         if self.accelerator.num_processes == 1:
             return tensor
         return self.accelerator.reduce(tensor, reduction="sum")
+
+
+def _take_groups(
+    pieces: list[tuple[SampledResponses, Scores]], chosen: list[tuple[int, int]], k: int, pad: int
+) -> tuple[SampledResponses, Scores]:
+    """The ``chosen`` groups ``(piece, prompt index)`` of several rounds of samples and scores, as one
+    batch in the engine's layout: completion j of the g-th chosen group at row ``j * len(chosen) + g``.
+    Prompts are left-padded (and responses right-padded) to the widest piece."""
+    sizes = [p[0].response.shape[0] // k for p in pieces]
+    offsets = [sum(p[0].response.shape[0] for p in pieces[:a]) for a in range(len(pieces))]
+    rows = torch.tensor([offsets[a] + j * sizes[a] + g for j in range(k) for a, g in chosen])
+    Q = max(p[0].query.shape[1] for p in pieces)
+    R = max(p[0].response.shape[1] for p in pieces)
+
+    def cat(tensors: list[torch.Tensor], width: int | None, fill: float, left: bool) -> torch.Tensor:
+        if width is not None:
+            tensors = [
+                torch.nn.functional.pad(
+                    t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=fill
+                )
+                for t in tensors
+            ]
+        return torch.cat(tensors)[rows.to(tensors[0].device)]
+
+    def listed(values: list[list[Any]]) -> list[Any]:
+        flat = [v for part in values for v in part]
+        return [flat[i] for i in rows.tolist()]
+
+    first, first_scores = pieces[0]
+    optional = {}
+    for name in ("generation_logprobs", "generation_entropy"):
+        parts = [getattr(p[0], name) for p in pieces]
+        optional[name] = None if any(x is None for x in parts) else cat(parts, R, 0.0, left=False)
+    samples = SampledResponses(
+        query=cat([p[0].query for p in pieces], Q, pad, left=True),
+        query_mask=cat([p[0].query_mask for p in pieces], Q, False, left=True),
+        response=cat([p[0].response for p in pieces], R, pad, left=False),
+        response_mask=cat([p[0].response_mask for p in pieces], R, False, left=False),
+        lengths=cat([p[0].lengths for p in pieces], None, 0, left=False),
+        prompts=listed([p[0].prompts for p in pieces]),
+        columns={name: listed([p[0].columns[name] for p in pieces]) for name in first.columns},
+        **optional,
+    )
+    scores = Scores(
+        completions=listed([p[1].completions for p in pieces]),
+        total=cat([p[1].total for p in pieces], None, 0.0, left=False),
+        per_source={
+            name: cat([p[1].per_source[name] for p in pieces], None, 0.0, left=False)
+            for name in first_scores.per_source
+        },
+        found_stop=cat([p[1].found_stop for p in pieces], None, False, left=False),
+        reward_func_errors=sum(
+            (p[1].reward_func_errors for p in pieces), torch.zeros_like(first_scores.reward_func_errors)
+        ),
+    )
+    return samples, scores

@@ -246,6 +246,11 @@ class SetupSteps:
         args = self.args
         k = self.completions_per_prompt
         world = self.accelerator.num_processes
+        if args.dynamic_sampling and k < 2:
+            raise ValueError(
+                f"dynamic_sampling=True with {self.completions_per_prompt_name}={k}: it drops prompts whose "
+                "completions all scored alike, which needs 2 or more completions per prompt."
+            )
         if args.local_batch_size % k:
             name = self.completions_per_prompt_name
             raise ValueError(

@@ -281,6 +281,9 @@ class OnPolicyTrainer(
             # 3. score: every reward source on the completions; the reward model reads the policy's ids
             #    when it shares the tokenizer, the decoded text otherwise.
             scores = self.score_samples(samples, timings)
+            if self.args.dynamic_sampling:
+                # DAPO: groups whose completions scored alike are replaced by new prompts' groups.
+                samples, scores = self.dynamic_sampling(batch, samples, scores, update, timings)
             # 4. log-probs of policy and reference (+ values): the "old" log-probs of the clipped ratio,
             #    the KL's other side, and PPO's V(s_t); padding columns trimmed out of each forward pass.
             passes = self.rollout_logprobs(samples, timings)
@@ -725,6 +728,12 @@ class OnPolicyTrainer(
             "rollout/invalid_rewards": float((~ok).sum()),
             "rollout/reward_func_errors": float(self._gather(rollout.reward_func_errors.reshape(1)).sum()),
         }
+        if self.args.dynamic_sampling:
+            # rounds (max over processes), groups dropped and groups that still had to fill the rollout
+            stats = self._gather(self._dynamic_sampling_stats.reshape(1, 3).float()).cpu()
+            metrics["rollout/dynamic_sampling_rounds"] = float(stats[:, 0].max())
+            metrics["rollout/dynamic_sampling_groups_dropped"] = float(stats[:, 1].sum())
+            metrics["rollout/dynamic_sampling_groups_short"] = float(stats[:, 2].sum())
         if not self.args.uses_reference_model:
             # No reference policy was run: there is no KL to report (it would read 0).
             del metrics["objective/kl"], metrics["objective/non_score_reward"]

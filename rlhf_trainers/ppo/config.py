@@ -16,6 +16,13 @@ class PPOConfig(OnPolicyConfig):
     ``TrainingArguments``) field, plus the value model and GAE. Defaults follow TRL's PPOConfig where TRL
     has the field, and the reference implementations elsewhere (gamma 1, lam 0.95, value clip 0.2)."""
 
+    num_generations: int = field(
+        default=1,
+        metadata={
+            "help": "Completions sampled per prompt (the prompt batch repeated, completion j of prompt i at row "
+            "j x prompts + i); each is its own episode for GAE. The rollout per process must be a multiple of it."
+        },
+    )
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the total loss."})
     cliprange_value: float | None = field(
         default=0.2,
@@ -54,6 +61,9 @@ class PPOConfig(OnPolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        value = self.num_generations
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"num_generations={value!r}: expected an integer >= 1 (completions per prompt).")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
         if self.lam_value is not None and not 0 <= self.lam_value <= 1:

@@ -103,8 +103,12 @@ class PPOTrainer(OnPolicyTrainer):
 
     _config_class = PPOConfig
     algorithm_name = "PPO"
-    completions_per_prompt = 1
+    completions_per_prompt_name = "num_generations"
     args: PPOConfig
+
+    @property
+    def completions_per_prompt(self) -> int:  # type: ignore[override]
+        return self.args.num_generations
 
     def build_value_model(
         self,
