@@ -625,3 +625,19 @@ def test_dynamic_sampling_fills_with_dropped_groups_after_the_last_round(kit, tm
             train_dataset=kit.prompt_dataset("train", n=64),
             processing_class=kit.load_tokenizer(),
         )
+
+
+def test_top_k_top_p_min_p_sample_but_train_the_full_distribution(kit, tmp_path):
+    """Restricted sampling in a run: the rollout's log-probs (here the sampling loop's own) are those of
+    the unrestricted distribution, so the ratio is 1 before the first step as without filters."""
+    trainer = _trainer(kit, tmp_path, top_k=10, top_p=0.9, min_p=0.02, max_steps=2)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "policy/ratio_at_start" in h]
+    assert logged and all(h["policy/ratio_at_start"] < 1e-4 for h in logged)
+    for bad, message in (
+        ({"top_k": -1}, "top_k=-1"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"min_p": 1.5}, "min_p=1.5"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            GRPOConfig(**{**_fields(tmp_path), **bad})

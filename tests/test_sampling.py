@@ -28,13 +28,14 @@ def sample_completions(model, ids, mask, *, lean_decoding=True, **settings):
     return backend.sample(ids, mask, SamplingSettings(**settings))
 
 
-def _hf(policy, ids, mask, n, temperature, pad, eos):
+def _hf(policy, ids, mask, n, temperature, pad, eos, top_k=0, top_p=1.0, min_p=None):
     config = GenerationConfig(
         max_new_tokens=n,
         do_sample=True,
         temperature=temperature,
-        top_k=0,
-        top_p=1.0,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         pad_token_id=pad,
         eos_token_id=eos,
         use_cache=True,
@@ -64,6 +65,41 @@ def test_draws_are_those_of_generate_for_the_same_seed(policy, prompts, temperat
     assert got.logprobs is None and got.entropy is None
     if stop:
         assert (got.tokens == tok.eos_token_id).any()  # some rows stopped: the padding path ran
+
+
+@pytest.mark.parametrize(
+    "filters", [{"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.2}, {"top_k": 20, "top_p": 0.9, "min_p": 0.05}]
+)
+def test_top_k_top_p_min_p_draw_what_generate_draws(policy, prompts, filters):
+    """The restricted draws are generate()'s for the same seed (its warpers in its order); the log-probs
+    returned stay those of the unrestricted distribution, i.e. the trainer's forward pass."""
+    tok, ids, mask = prompts
+    torch.manual_seed(5)
+    expected = _hf(policy, ids, mask, 10, 0.8, tok.pad_token_id, [], **filters)
+    torch.manual_seed(5)
+    got = sample_completions(
+        policy,
+        ids,
+        mask,
+        max_new_tokens=10,
+        temperature=0.8,
+        pad_token_id=tok.pad_token_id,
+        return_logprobs=True,
+        **filters,
+    )
+    assert torch.equal(got.tokens, expected)
+    torch.manual_seed(5)
+    unrestricted = sample_completions(
+        policy, ids, mask, max_new_tokens=10, temperature=0.8, pad_token_id=tok.pad_token_id
+    )
+    assert not torch.equal(unrestricted.tokens, got.tokens)
+    full_mask = torch.cat([mask.bool(), torch.ones_like(got.tokens, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        logits = policy_logits(
+            policy, torch.cat([ids, got.tokens], 1), full_mask.long(), F.position_ids_from_mask(full_mask), 11
+        )[:, :-1]
+    expected_logprobs = F.logprobs_from_logits(logits, got.tokens, 0.8)
+    torch.testing.assert_close(got.logprobs, expected_logprobs, atol=1e-5, rtol=0)
 
 
 def test_logprobs_and_entropy_are_the_forward_pass_values(policy, prompts):

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["ContextFactory", "GenerationBackend", "Samples", "SamplingSettings"]
+__all__ = ["ContextFactory", "GenerationBackend", "Samples", "SamplingSettings", "filtered_scores"]
 
 #: Called before every ``sample`` call for the context the sampling runs in (e.g. ZeRO-3 gathering).
 ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -19,8 +19,11 @@ ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How to sample: ancestral sampling from ``softmax(logits / temperature)`` (no top-k, top-p or
-    penalties), at most ``max_new_tokens`` tokens per row."""
+    """How to sample: ancestral sampling from ``softmax(logits / temperature)``, optionally restricted to
+    the top-k tokens, the top-p nucleus and the tokens of at least min-p times the top probability (in that
+    order, as ``transformers.generate``); no penalties; at most ``max_new_tokens`` tokens per row. The
+    log-probs and entropies a backend returns are those of the unrestricted ``softmax(logits /
+    temperature)``: the distribution the trainer's forward pass computes and trains."""
 
     #: Tokens to sample per row (>= 1); the result always has this many columns.
     max_new_tokens: int
@@ -33,12 +36,51 @@ class SamplingSettings:
     stop_token_ids: Sequence[int] = ()
     #: Also return each sampled token's log-probability and each step's entropy.
     return_logprobs: bool = False
+    #: Sample among the k most likely tokens only; 0: all.
+    top_k: int = 0
+    #: Sample within the smallest set of most likely tokens whose probability reaches top_p; 1.0: all.
+    top_p: float = 1.0
+    #: Sample among tokens of probability >= min_p x the most likely token's; 0.0: all.
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError(
+                f"top_k={self.top_k}, top_p={self.top_p}, min_p={self.min_p}: expected top_k >= 0, top_p in "
+                "(0, 1] and min_p in [0, 1]."
+            )
+
+    @property
+    def filters(self) -> bool:
+        """Whether any of top-k, top-p and min-p restricts the sampling."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def filtered_scores(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """``scores`` (B, V) (temperature-scaled logits) with the tokens that top-k, then top-p, then min-p
+    exclude set to -inf; at least the most likely token always stays. The scores themselves when no
+    filter is set."""
+    if not settings.filters:
+        return scores
+    out = scores
+    if 0 < settings.top_k < scores.shape[-1]:
+        kth = torch.topk(out, settings.top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, -torch.inf)
+    if settings.top_p < 1:
+        ascending, order = torch.sort(out, dim=-1)
+        # drop the least likely tokens while their cumulated probability stays within 1 - top_p
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - settings.top_p
+        drop[..., -1] = False
+        out = out.masked_fill(drop.scatter(-1, order, drop), -torch.inf)
+    if settings.min_p > 0:
+        probs = out.softmax(-1)
+        drop = probs < settings.min_p * probs.amax(-1, keepdim=True)
+        out = out.masked_fill(drop, -torch.inf)
+    return out
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..models import embedding_rows, readable_ids
-from .base import ContextFactory, Samples, SamplingSettings, entered, eval_mode, padded_to
+from .base import ContextFactory, Samples, SamplingSettings, entered, eval_mode, filtered_scores, padded_to
 
 __all__ = ["BuiltinSampling", "FastDecodingSteps", "FastStepsProvider", "sample_with_kv_cache"]
 
@@ -80,7 +80,9 @@ def sample_with_kv_cache(
         if settings.temperature != 1.0:
             scores = scores / settings.temperature
         probs = torch.softmax(scores, dim=-1)
-        token = torch.multinomial(probs, num_samples=1).squeeze(1)
+        # top-k / top-p / min-p restrict what is drawn; the log-probs below stay those of `scores`
+        drawn_from = torch.softmax(filtered_scores(scores, settings), dim=-1) if settings.filters else probs
+        token = torch.multinomial(drawn_from, num_samples=1).squeeze(1)
         token = torch.where(unfinished, token, torch.full_like(token, settings.pad_token_id))
         tokens.append(token)
         # What the model reads back: a stopped row's pad id as an id it has (its outputs are unused).

@@ -88,8 +88,9 @@ class TransformersGenerate:
             max_new_tokens=settings.max_new_tokens,
             do_sample=True,
             temperature=settings.temperature,
-            top_k=0,
-            top_p=1.0,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            min_p=settings.min_p or None,
             pad_token_id=generate_pad,
             # [] (not None, which generate() would fill from the model's generation config): sample the
             # full length, with EOS a token like any other (LHPD's fixed-length responses).

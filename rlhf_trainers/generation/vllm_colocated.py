@@ -410,9 +410,9 @@ class VLLMColocated:
             SamplingParams(
                 n=1,
                 temperature=settings.temperature,
-                top_p=1.0,
-                top_k=0,
-                min_p=0.0,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                min_p=settings.min_p,
                 max_tokens=settings.max_new_tokens,
                 ignore_eos=True,  # only the trainer's stop tokens end a row
                 stop_token_ids=list(settings.stop_token_ids) or None,

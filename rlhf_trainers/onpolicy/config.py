@@ -73,8 +73,26 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default=0.7,
         metadata={
             "help": "Sampling temperature; the training log-probs divide the logits by it too (an LHPD detail). "
-            "Sampling uses top-k 0 and top-p 1 so that the sampling distribution is the one trained."
+            "By default (top_k 0, top_p 1, min_p 0) the sampling distribution is the one trained."
         },
+    )
+    top_k: int = field(
+        default=0,
+        metadata={
+            "help": "Sample among the k most likely tokens only (0: all). The log-probs trained and those of "
+            "the rollout stay the unrestricted softmax(logits / temperature)'s, as in TRL: the sampling "
+            "distribution then differs from the trained one (see docs/generation.md)."
+        },
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={
+            "help": "Nucleus sampling: the smallest set of tokens reaching probability top_p (1.0: all)."
+        },
+    )
+    min_p: float = field(
+        default=0.0,
+        metadata={"help": "Sample among tokens of probability >= min_p x the top token's (0.0: all)."},
     )
     stop_token: str | None = field(
         default="eos",
@@ -535,6 +553,14 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"temperature={self.temperature}: expected a finite number > 0 (1.0 samples as is)."
             )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0: no top-k restriction).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"top_p={self.top_p}: expected a number in (0, 1] (1.0: no nucleus restriction)."
+            )
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p}: expected a number in [0, 1] (0.0: no min-p restriction).")
         if self.stop_token is not None and self.stop_token not in STOP_TOKENS:
             raise ValueError(
                 f"stop_token={self.stop_token!r}: expected 'eos' or None (for another token, set stop_token_id)."

@@ -104,6 +104,9 @@ class OnPolicyGenerationMixin:
             temperature=args.temperature,
             stop_token_ids=tuple(self._stop_ids) if stop_in_generation else (),
             return_logprobs=with_logprobs,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
         )
         samples = self.generation_backend.sample(query, query_mask, settings)
         if not with_logprobs:
