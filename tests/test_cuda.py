@@ -141,3 +141,71 @@ def test_ppo_trains_on_cuda_in_bf16_with_the_ratio_at_one(kit, tmp_path):
     # bf16 autocast in both the rollout and the training pass, log-softmax in fp32: the ratio starts at 1.
     assert all(h["policy/ratio_at_start"] < 1e-2 for h in logs)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters(), strict=True))
+
+
+def test_group_and_reinforce_plus_plus_advantages_on_cuda_match_cpu():
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.randn(16, generator=g)
+    valid = torch.rand(16, generator=g) > 0.2
+    for scale in F.SCALE_REWARDS:
+        torch.testing.assert_close(
+            F.group_advantages(rewards.cuda(), 4, scale, valid=valid.cuda()).cpu(),
+            F.group_advantages(rewards, 4, scale, valid=valid),
+        )
+    token_rewards, mask = torch.randn(8, 12, generator=g), torch.rand(8, 12, generator=g) > 0.3
+    for k in (None, 2):
+        torch.testing.assert_close(
+            F.reinforce_plus_plus_advantages(token_rewards.cuda(), mask.cuda(), k=k).cpu(),
+            F.reinforce_plus_plus_advantages(token_rewards, mask, k=k),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_grpo_trains_on_cuda_in_bf16_with_a_kl_loss_and_split_invariant_steps(kit, tmp_path, loss_type):
+    """GRPO with beta > 0 (a reference model on the GPU) in bf16: the ratio starts at 1, the KL loss is
+    logged, and 1 x 16 vs 4 x 4 micro-batches give the same first optimizer step (SGD) up to bf16's
+    rounding of the forward passes."""
+    from rlhf_trainers import GRPOConfig, GRPOTrainer
+    from rlhf_trainers.testing import true_reward
+
+    def run(out, **batch):
+        args = GRPOConfig(
+            output_dir=str(tmp_path / out),
+            bf16=True,
+            num_generations=4,
+            max_completion_length=8,
+            learning_rate=1e-2,
+            beta=0.04,
+            loss_type=loss_type,
+            max_steps=1,
+            logging_steps=1,
+            max_grad_norm=0.0,
+            optim="sgd",
+            save_strategy="no",
+            report_to="none",
+            num_sample_generations=0,
+            disable_tqdm=True,
+            seed=0,
+            **batch,
+        )
+        trainer = GRPOTrainer(
+            model=kit.load_model("llama-sft"),
+            reward_funcs=true_reward,
+            args=args,
+            train_dataset=kit.prompt_dataset("train", n=32),
+            processing_class=kit.load_tokenizer(),
+        )
+        start = torch.cat([p.detach().float().reshape(-1) for p in trainer.policy.parameters()])
+        trainer.train()
+        end = torch.cat([p.detach().float().reshape(-1) for p in trainer.policy.parameters()])
+        assert next(trainer.policy.parameters()).device.type == "cuda" and trainer.ref_model is not None
+        logs = [h for h in trainer.state.log_history if "policy/ratio_at_start" in h]
+        assert all(h["policy/ratio_at_start"] < 1e-2 and "policy/kl_loss_avg" in h for h in logs)
+        return (end - start).cpu()
+
+    one = run("one", per_device_train_batch_size=16)
+    four = run("four", per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    assert one.abs().max() > 0
+    assert (four - one).norm() / one.norm() < 0.05
