@@ -641,3 +641,34 @@ def test_top_k_top_p_min_p_sample_but_train_the_full_distribution(kit, tmp_path)
     ):
         with pytest.raises(ValueError, match=message):
             GRPOConfig(**{**_fields(tmp_path), **bad})
+
+
+# ---- entropy bonus --------------------------------------------------------------------------------
+
+
+def test_entropy_bonus_is_subtracted_per_token_and_reduced_like_the_loss(kit, tmp_path):
+    trainer = _trainer(kit, tmp_path, entropy_coeff=0.01, loss_type="dapo")
+    rollout = trainer.rollout(trainer._prompt_batch(0))
+    advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
+    rows = torch.arange(rollout.response.shape[0])
+    logprobs, _, entropy = trainer._training_forward(trainer.model, rollout, rows)
+    assert entropy.requires_grad
+    plain, _ = trainer.compute_policy_loss(rollout, advantages, rows, logprobs, None)
+    bonus, _ = trainer.compute_policy_loss(rollout, advantages, rows, logprobs, None, entropy=entropy)
+    mask = rollout.response_mask
+    expected = -0.01 * entropy[mask].sum() / mask.sum()
+    assert (bonus - plain).item() == pytest.approx(expected.item(), rel=1e-5)
+    (grad,) = torch.autograd.grad(bonus - plain, entropy)
+    torch.testing.assert_close(grad, torch.where(mask, -0.01 / mask.sum(), 0.0).to(grad.dtype))
+
+
+def test_entropy_bonus_keeps_the_policy_more_random(kit, tmp_path):
+    def final_entropy(coeff: float, out: str) -> float:
+        trainer = _trainer(kit, tmp_path / out, entropy_coeff=coeff, train_n=256, max_steps=16, **LEARN_SHORT)
+        trainer.train()
+        return [h for h in trainer.state.log_history if "policy/entropy_avg" in h][-1]["policy/entropy_avg"]
+
+    assert final_entropy(0.2, "bonus") > final_entropy(0.0, "plain") + 0.1
+
+
+LEARN_SHORT = {k: v for k, v in LEARN.items() if k != "num_iterations"}

@@ -71,6 +71,24 @@ def _entropy_terms(x: Tensor, lse: Tensor) -> Tensor:
     return lse - (probs * x_finite).sum(-1)
 
 
+def _logprob_and_entropy_grad(
+    log_p: Tensor, g: Tensor, g_entropy: Tensor, index: Tensor, hits: Tensor, temperature: float
+) -> Tensor:
+    """Gradient w.r.t. the logits ``z`` of a chunk of ``g * log p[token] + g_entropy * H`` with ``log p =
+    z / T - lse`` (``log_p``, a temporary the caller owns) and ``H = -sum p log p``:
+    ``(onehot * g - p * (g + g_entropy * (log p + H))) / T``. ``g``, ``g_entropy`` (n, 1); ``index``,
+    ``hits`` as in :func:`_logprob_grad`."""
+    p = log_p.exp()
+    kept = p > 0  # -inf logits (filtered vocabulary) have p = 0 and no gradient
+    safe = torch.where(kept, log_p, torch.zeros((), dtype=log_p.dtype, device=log_p.device))
+    entropy = -(p * safe).sum(-1, keepdim=True)
+    grad = p.mul_(-(g + g_entropy * (safe + entropy)))
+    grad.scatter_add_(-1, index, hits)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
 def _logprob_grad(shifted: Tensor, g: Tensor, index: Tensor, hits: Tensor, temperature: float) -> Tensor:
     """Gradient of ``g * (z[token_ids] - lse(z)) / T`` w.r.t. the logits ``z`` of a chunk:
     ``(onehot(token_ids) - softmax(z)) * g / T``, built in place on ``shifted = z - lse`` (a temporary the caller
@@ -84,8 +102,8 @@ def _logprob_grad(shifted: Tensor, g: Tensor, index: Tensor, hits: Tensor, tempe
 
 
 class _TokenLogprob(torch.autograd.Function):
-    """``logit[token] / T - logsumexp(logits / T)`` chunk by chunk, and optionally (no gradient) the
-    entropy of ``softmax(logits / T)`` in the same pass over the logits.
+    """``logit[token] / T - logsumexp(logits / T)`` chunk by chunk, and optionally the entropy of
+    ``softmax(logits / T)`` in the same pass over the logits (differentiable too: an entropy bonus).
 
     A custom backward saves only the per-row logsumexp: autograd through the chunks would save every
     upcast (chunk, V) copy, i.e. a full float32 copy of bf16 logits.  The gradient
@@ -127,28 +145,37 @@ class _TokenLogprob(torch.autograd.Function):
         ctx.save_for_backward(logits, token_ids, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, usually) gets None, not zeros
         if entropy_dtype is not None:
             entropy = entropy.reshape(tokens.shape)
-        ctx.mark_non_differentiable(entropy)
+        else:
+            ctx.mark_non_differentiable(entropy)
         return out.reshape(tokens.shape), entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(  # type: ignore[override]
-        ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None
+        ctx: Any, grad_out: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, None, None, None, None, None]:
         logits, token_ids, lse = ctx.saved_tensors
         temperature = ctx.temperature
         rows = _as_rows(logits)
         grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
-        g_rows = grad_out.reshape(token_ids.shape).to(lse.dtype)
+        zeros = torch.zeros(token_ids.shape, dtype=lse.dtype, device=lse.device)
+        g_rows = grad_out.reshape(token_ids.shape).to(lse.dtype) if grad_out is not None else zeros
+        gh_rows = grad_entropy.reshape(token_ids.shape).to(lse.dtype) if grad_entropy is not None else None
         for p, q0, q1 in _chunks(rows, ctx.chunk_size):
             x = rows[p, q0:q1].to(lse.dtype)
             if temperature != 1.0:
                 x = x / temperature
             g = g_rows[p, q0:q1].unsqueeze(-1)
             shifted = x - lse[p, q0:q1].unsqueeze(-1)  # a chunk-sized temporary (x may be the logits)
-            grad_rows[p, q0:q1] = _logprob_grad(shifted, g, token_ids[p, q0:q1].unsqueeze(-1), g, temperature)
+            index = token_ids[p, q0:q1].unsqueeze(-1)
+            if gh_rows is None:
+                grad_rows[p, q0:q1] = _logprob_grad(shifted, g, index, g, temperature)
+            else:
+                gh = gh_rows[p, q0:q1].unsqueeze(-1)
+                grad_rows[p, q0:q1] = _logprob_and_entropy_grad(shifted, g, gh, index, g, temperature)
         return grad_rows.view(logits.shape), None, None, None, None, None
 
 
@@ -208,7 +235,7 @@ def logprobs_and_entropy_from_logits(
     compute_dtype: torch.dtype | None = None,
     entropy_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`logprobs_from_logits` and the (detached) :func:`entropy_from_logits` in one chunked pass.
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one chunked pass.
 
     What a training step needs: the sampled tokens' log-probabilities with their gradient, and the
     policy entropy as a logged metric.  Each chunk of logits is upcast and divided by the temperature
@@ -224,8 +251,8 @@ def logprobs_and_entropy_from_logits(
     Returns:
         ``(logprobs, entropy)``, both (B, T): ``logprobs`` in ``compute_dtype`` and differentiable w.r.t.
         ``logits`` (first order), exactly :func:`logprobs_from_logits`'s values; ``entropy`` in
-        ``entropy_dtype``, carrying no gradient, the values of :func:`entropy_from_logits` with the same
-        arguments.
+        ``entropy_dtype``, the values of :func:`entropy_from_logits` with the same arguments, also
+        differentiable (first order; its gradient is computed in ``compute_dtype``), for an entropy bonus.
     """
     dtype = _check_logits_args(logits, chunk_size, temperature, compute_dtype)
     _check_tokens(logits, tokens)
@@ -239,9 +266,10 @@ class _HiddenTokenLogprob(torch.autograd.Function):
 
     The forward pass walks (rows x vocabulary) tiles of the logits with an online logsumexp (running max
     ``m``, ``s = sum exp(z - m)``, ``t = sum exp(z - m) * z`` for the entropy), keeping one tile at a
-    time; it saves ``hidden``, the weights and the per-row logsumexp. The backward pass recomputes each
-    tile's logits (one more lm-head matmul) and accumulates ``d hidden = dz @ W_tile`` and
-    ``d W_tile = dz.T @ hidden`` from ``dz = g * (onehot - softmax) / T``.
+    time; it saves ``hidden``, the weights and the per-row logsumexp (and entropy). The backward pass
+    recomputes each tile's logits (one more lm-head matmul) and accumulates ``d hidden = dz @ W_tile`` and
+    ``d W_tile = dz.T @ hidden`` from ``dz = g * (onehot - softmax) / T`` (plus, when the entropy is in the
+    loss, ``-g_H * p * (log p + H) / T``).
     """
 
     @staticmethod
@@ -286,8 +314,9 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             out[r0:r1] = target - row_lse
             if with_entropy:
                 entropy[r0:r1] = row_lse - t / s
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
         ctx.temperature, ctx.row_chunk, ctx.vocab_chunk = temperature, row_chunk, vocab_chunk
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, usually) gets None, not zeros
         # The backward pass rebuilds the tiles under the forward's autocast state (bf16 autocast: the
         # same bf16 matmul), so the recomputed softmax is the one the log-probs came from.
         device_type = hidden.device.type
@@ -296,15 +325,16 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
         )
-        ctx.mark_non_differentiable(entropy)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(  # type: ignore[override]
-        ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None
+        ctx: Any, grad_out: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, tokens, lse = ctx.saved_tensors
+        hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         temperature, row_chunk, vocab_chunk = ctx.temperature, ctx.row_chunk, ctx.vocab_chunk
         device_type, autocast_on, autocast_dtype = ctx.autocast
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -314,11 +344,15 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         # no zero-fill and re-read of a (V, H) buffer (113 MB at a 49K x 576 head) per backward pass.
         grad_w = (torch.empty_like(weight) if N else torch.zeros_like(weight)) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
-        g_all = grad_out.to(lse.dtype)
+        g_all = grad_out.to(lse.dtype) if grad_out is not None else torch.zeros_like(lse)
+        gh_all = grad_entropy.to(lse.dtype) if grad_entropy is not None else None
         for r0 in range(0, N, row_chunk):
             r1 = min(r0 + row_chunk, N)
             h, token_ids, g = hidden[r0:r1], tokens[r0:r1], g_all[r0:r1].unsqueeze(-1)
             row_lse = lse[r0:r1].unsqueeze(-1)
+            if gh_all is not None:
+                # d(g_H * H)/dz = -g_H * p * (log p + H) / T, with the row's entropy H of the forward pass
+                gh, row_h = gh_all[r0:r1].unsqueeze(-1), entropy[r0:r1].unsqueeze(-1).to(lse.dtype)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
                 with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
@@ -326,7 +360,16 @@ class _HiddenTokenLogprob(torch.autograd.Function):
                 inside = (token_ids >= v0) & (token_ids < v1)
                 local = (token_ids - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
                 hits = g * inside.unsqueeze(-1).to(g.dtype)
-                dz = _logprob_grad(z.sub_(row_lse), g, local, hits, temperature).to(weight.dtype)
+                if gh_all is None:
+                    dz = _logprob_grad(z.sub_(row_lse), g, local, hits, temperature)
+                else:
+                    log_p = z.sub_(row_lse)
+                    p = log_p.exp()
+                    dz = p.mul_(-(g + gh * (log_p + row_h)))
+                    dz.scatter_add_(-1, local, hits)
+                    if temperature != 1.0:
+                        dz.div_(temperature)
+                dz = dz.to(weight.dtype)
                 if grad_h is not None:
                     grad_h[r0:r1].addmm_(dz, weight[v0:v1])
                 if grad_w is not None:
@@ -379,7 +422,8 @@ def logprobs_and_entropy_from_hidden(
         bias: (V,) lm-head bias, if any.
         row_chunk_size, vocab_chunk_size: tile shape (>= 1).
         compute_dtype: dtype of the softmax arithmetic and of the results; None = ``weight``'s dtype.
-        with_entropy: also return the entropy of ``softmax(logits / T)`` (no gradient); else None.
+        with_entropy: also return the entropy of ``softmax(logits / T)``, differentiable like the log-probs
+            (an entropy bonus in the loss); else None.
 
     Returns:
         ``(logprobs, entropy)`` of shape ``tokens.shape``; ``logprobs`` is differentiable w.r.t. ``hidden``,

@@ -176,6 +176,7 @@ class GRPOTrainer(OnPolicyTrainer):
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
         normalization: LossNormalization | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO's clipped loss per token with the completion's advantage at every token (the sequence's
         ratio with ``importance_sampling_level="sequence"``), weighted by the vLLM importance weights,
@@ -188,6 +189,7 @@ class GRPOTrainer(OnPolicyTrainer):
             logprobs,
             normalization,
             weights[rows] if weights is not None else None,
+            entropy,
         )
         return loss, metrics
 

@@ -394,6 +394,15 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
 
+    entropy_coeff: float = field(
+        default=0.0,
+        metadata={
+            "help": "Entropy bonus (verl's entropy_coeff): entropy_coeff x the policy's entropy at every "
+            "response token is subtracted from the loss (reduced like it), pushing against entropy "
+            "collapse. 0: off (the entropy is then only a metric)."
+        },
+    )
+
     # ---- numerics ---------------------------------------------------------------------------
     logprobs_in_fp32: bool = field(
         default=True,
@@ -651,6 +660,10 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         if self.kl_loss_coef < 0 or not math.isfinite(self.kl_loss_coef):
             raise ValueError(
                 f"kl_loss_coef={self.kl_loss_coef}: expected a finite number >= 0 (0: no KL loss)."
+            )
+        if not math.isfinite(self.entropy_coeff) or self.entropy_coeff < 0:
+            raise ValueError(
+                f"entropy_coeff={self.entropy_coeff}: expected a finite number >= 0 (0: no bonus)."
             )
         if self.kl_loss_estimator not in KL_ESTIMATORS:
             raise ValueError(

@@ -380,6 +380,7 @@ class OnPolicyTrainer(
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
         normalization: LossNormalization | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Step 7's loss of one micro-batch.
 
@@ -393,6 +394,8 @@ class OnPolicyTrainer(
                 whole mini-batch over all processes, :meth:`LossNormalization.denominator`): dividing the
                 micro-batch's summed loss by them makes it its share of the mini-batch's loss. None:
                 the micro-batch's own counts (``LossNormalization.local``), as when calling it directly.
+            entropy: (M, R) the policy's entropy at each response position, with gradient, when
+                ``entropy_coeff`` is not 0 (the bonus ``-entropy_coeff x entropy`` per token); else None.
 
         Returns:
             ``(loss, metrics)``: the micro-batch's share of the mini-batch's loss, back-propagated as it
@@ -409,7 +412,8 @@ class OnPolicyTrainer(
         rows: torch.Tensor,
         bounds: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Log-probs (with gradient), values (PPO) and the entropy metric of rollout ``rows``.
+        """Log-probs (with gradient), values (PPO) and the entropy (with gradient: ``entropy_coeff``) of
+        rollout ``rows``.
 
         The forward pass covers only the columns some row of the micro-batch needs (``bounds``: first
         prompt column, end of the response columns; computed from the masks when None): leading prompt
@@ -485,13 +489,22 @@ class OnPolicyTrainer(
                         if epoch == 0 and mini_batch == 0 and micro == 0:
                             self._check_ratio_at_start(logprobs.detach(), rollout, rows, stats)
                         loss, metrics = self.compute_policy_loss(
-                            rollout, advantages, rows, logprobs, values, normalizations[epoch][mini_batch]
+                            rollout,
+                            advantages,
+                            rows,
+                            logprobs,
+                            values,
+                            normalizations[epoch][mini_batch],
+                            entropy=entropy if args.entropy_coeff else None,
                         )
                         # The loss is already this micro-batch's share of the mini-batch's (its
                         # denominators count the whole mini-batch): no division by the accumulation steps.
                         kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
                         self.accelerator.backward(loss, **kwargs)
-                    stats["policy/entropy_avg"].append(F.masked_mean(entropy, rollout.response_mask[rows]))
+                    # detached: the metric must not keep the micro-batch's graph alive
+                    stats["policy/entropy_avg"].append(
+                        F.masked_mean(entropy.detach(), rollout.response_mask[rows])
+                    )
                     for name, value in metrics.items():
                         # loss/* are shares of the mini-batch's loss: x accumulation_steps, their mean over
                         # the micro-batches is its sum, the mini-batch's loss.
@@ -564,10 +577,12 @@ class OnPolicyTrainer(
         logprobs: torch.Tensor,
         normalization: LossNormalization | None,
         importance_weights: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         """PPO's clipped loss per token of the micro-batch ``rows``: the ratio per token or of the sequence
         (``importance_sampling_level``), ``importance_weights`` ((M, R), or (M, 1) for a whole sequence),
-        the KL loss term (``kl_loss_coef``), reduced with ``loss_agg_mode`` by ``normalization`` (None:
+        the KL loss term (``kl_loss_coef``) and the entropy bonus (``-entropy_coeff x entropy``, when the
+        differentiable ``entropy`` is given), reduced with ``loss_agg_mode`` by ``normalization`` (None:
         the micro-batch's own counts). Returns ``(loss, metrics, aggregation)``: the metrics of
         :meth:`policy_loss_metrics`, and the aggregation keywords (for a value loss reduced alike)."""
         args = self.args
@@ -579,6 +594,7 @@ class OnPolicyTrainer(
             importance_weights = importance_weights.expand_as(mask)  # a sequence's weight at every token
         aggregation = normalization.aggregation(args.loss_agg_mode)
         kl_loss = self.kl_loss(rollout, rows, logprobs)
+        extra = self.extra_token_loss(kl_loss, entropy)
         loss, pm = F.clipped_policy_loss(
             self.ratio_logprobs(logprobs, old, mask),
             old,
@@ -588,10 +604,25 @@ class OnPolicyTrainer(
             clip_high=args.cliprange_high,
             dual_clip=args.dual_clip,
             importance_weights=importance_weights,
-            extra_loss=kl_loss,
+            extra_loss=extra,
             **aggregation,
         )
         return loss, self.policy_loss_metrics(loss, pm, kl_loss, mask), aggregation
+
+    def extra_token_loss(
+        self, kl_loss: torch.Tensor | None, entropy: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The per-token terms added to the clipped loss: the KL loss (``kl_loss``, already scaled) and
+        the entropy bonus ``-entropy_coeff x entropy`` (``entropy`` given only when the coefficient is
+        not 0); None when there is neither."""
+        terms = [
+            t
+            for t in (kl_loss, None if entropy is None else -self.args.entropy_coeff * entropy)
+            if t is not None
+        ]
+        if not terms:
+            return None
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
     def policy_loss_metrics(
         self,

@@ -177,6 +177,7 @@ class PPOTrainer(OnPolicyTrainer):
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
         normalization: LossNormalization | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped policy loss (each token weighted by the rollout's vLLM importance weights, if any; the
         KL loss term with ``kl_loss_coef``) plus ``vf_coef`` x clipped value loss, both reduced with
@@ -185,7 +186,7 @@ class PPOTrainer(OnPolicyTrainer):
         args = self.args
         weights = rollout.sampling_weights[rows] if rollout.sampling_weights is not None else None
         pg_loss, metrics, aggregation = self.token_policy_loss(
-            rollout, advantages.advantages[rows], rows, logprobs, normalization, weights
+            rollout, advantages.advantages[rows], rows, logprobs, normalization, weights, entropy
         )
         assert values is not None, "PPO's loss needs the value model's values"
         mask = rollout.response_mask[rows]

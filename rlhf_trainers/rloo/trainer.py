@@ -196,6 +196,7 @@ class RLOOTrainer(OnPolicyTrainer):
         logprobs: torch.Tensor,
         values: torch.Tensor | None,
         normalization: LossNormalization | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO's clipped objective on the sequence log-prob (default; REINFORCE at ratio 1, the mean over
         the mini-batch's sequences), or per token (``token_level_kl``, reduced with ``loss_agg_mode``),
@@ -205,13 +206,14 @@ class RLOOTrainer(OnPolicyTrainer):
         weights = advantages.importance_weights[rows] if advantages.importance_weights is not None else None
         if args.token_level_kl:
             loss, metrics, _ = self.token_policy_loss(
-                rollout, advantages.advantages[rows], rows, logprobs, normalization, weights
+                rollout, advantages.advantages[rows], rows, logprobs, normalization, weights, entropy
             )
             return loss, metrics
         mask = rollout.response_mask[rows]
         old = rollout.logprobs[rows]
         sequences = normalization.sequences if normalization is not None else mask.any(1).sum().float()
         kl_loss = self.kl_loss(rollout, rows, logprobs)
+        extra = self.extra_token_loss(kl_loss, entropy)
         # The whole completion is one action: its log-prob is the sum over its tokens, and the KL term
         # the sequence's summed per-token estimate; the mean over the mini-batch's sequences.
         loss, pm = F.clipped_policy_loss(
@@ -223,7 +225,7 @@ class RLOOTrainer(OnPolicyTrainer):
             clip_high=args.cliprange_high,
             dual_clip=args.dual_clip,
             importance_weights=weights,
-            extra_loss=None if kl_loss is None else (kl_loss * mask).sum(1, keepdim=True),
+            extra_loss=None if extra is None else (extra * mask).sum(1, keepdim=True),
             loss_agg_mode="token-mean",
             denominator=sequences,
         )
