@@ -2,7 +2,8 @@
 of generation and the episodes per second of a whole update, for PPO and RLOO, on this machine.
 
 The job is the RLVR ``word_count`` task of ``examples/rlvr.py`` with its defaults (LoRA r 16 on every
-linear layer, lr 1e-3, temperature 0.7, one epoch of one mini-batch), ``--completions`` completions per
+linear layer, lr 1e-3, temperature 0.7, one epoch of one mini-batch,
+in micro-batches of ``--micro-batch`` completions), ``--completions`` completions per
 update (RLOO: a quarter as many prompts x 4, PPO: one each) of exactly ``--response-length`` tokens (no
 stop token, so both backends generate the same number of tokens), ``--updates`` updates per run. Each
 (trainer, backend) run is a process of its own in the vLLM environment (vLLM's CPU build pins another
@@ -36,9 +37,16 @@ BACKENDS = ("builtin", "vllm")
 
 
 def worker(
-    trainer_name: str, backend: str, updates: int, response_length: int, seed: int, completions: int
+    trainer_name: str,
+    backend: str,
+    updates: int,
+    response_length: int,
+    seed: int,
+    completions: int,
+    micro_batch: int = 32,
 ) -> dict[str, Any]:
-    """One run in this process; its per-update timings."""
+    """One run in this process; its per-update timings. The update's one optimizer step accumulates
+    gradients over micro-batches of ``micro_batch`` completions."""
     import torch
     from peft import LoraConfig
 
@@ -48,7 +56,12 @@ def worker(
 
     common: dict[str, Any] = {
         "output_dir": f"/tmp/vllm-bench-{trainer_name}-{backend}",
-        "per_device_train_batch_size": completions,
+        # One optimizer step per update over all completions, in micro-batches: the activations a
+        # training forward pass keeps for its backward pass grow with its rows (SmolLM2-135M, ~70 tokens a
+        # row: ~82 MiB per row, and glibc's heap about doubles that in resident memory), so 128 rows at
+        # once needed ~20 GB and with vLLM's engine beside them overran a 24 GB machine.
+        "per_device_train_batch_size": min(micro_batch, completions),
+        "gradient_accumulation_steps": max(completions // micro_batch, 1),
         # Every completion is response_length tokens (no stop token): both backends generate the same
         # number of tokens, so their generation seconds compare directly.
         "stop_token": None,
@@ -129,6 +142,12 @@ def main() -> None:
         "--completions", type=int, default=32, help="completions per update (RLOO: / 4 prompts)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=32,
+        help="completions per training micro-batch (gradient accumulation over the update's completions)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
@@ -138,9 +157,19 @@ def main() -> None:
     )
     parser.add_argument("--worker", nargs=2, metavar=("TRAINER", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.micro_batch < 1 or (args.completions > args.micro_batch and args.completions % args.micro_batch):
+        parser.error(
+            f"--completions {args.completions} must be a multiple of --micro-batch {args.micro_batch}"
+        )
     if args.worker:
         result = worker(
-            args.worker[0], args.worker[1], args.updates, args.response_length, args.seed, args.completions
+            args.worker[0],
+            args.worker[1],
+            args.updates,
+            args.response_length,
+            args.seed,
+            args.completions,
+            args.micro_batch,
         )
         print("RESULT " + json.dumps(result))
         return
@@ -160,7 +189,7 @@ def main() -> None:
         for backend in args.backends:
             command = [python, __file__, "--worker", trainer_name, backend, "--updates", str(args.updates)]
             command += ["--response-length", str(args.response_length), "--seed", str(args.seed)]
-            command += ["--completions", str(args.completions)]
+            command += ["--completions", str(args.completions), "--micro-batch", str(args.micro_batch)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not lines:

@@ -184,3 +184,55 @@ def test_reward_normalization_samples_through_the_interface(kit, monkeypatch):
     assert calls[0] == SamplingSettings(
         max_new_tokens=8, pad_token_id=tok.pad_token_id, temperature=0.9, stop_token_ids=[tok.eos_token_id]
     )
+
+
+def test_the_vllm_weight_sync_streams_the_merged_weights(kit):
+    """``VLLMColocated.sync_weights`` hands the engine a stream: each merged LoRA weight (a new tensor) is
+    made when the engine reads it, so at most the one being read and the next are alive, never all of them
+    (a list of them was a second copy of every adapted matrix). vLLM is replaced by a recording stand-in
+    that loads like vLLM's in-process worker: one weight at a time, nothing kept."""
+    import weakref
+
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_trainers.generation.vllm_colocated import VLLMColocated
+
+    model = get_peft_model(
+        kit.load_model("llama-sft"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
+    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    made: list[weakref.ref] = []  # the engine's tensors that are not the model's own (merged weights)
+    alive_at_each_read: list[int] = []
+    names: list[str] = []
+
+    class Worker:
+        def reload_weights(self, weights_iterator):
+            for name, tensor in weights_iterator:
+                names.append(name)
+                if tensor.untyped_storage().data_ptr() not in owned:
+                    made.append(weakref.ref(tensor))
+                del tensor
+                alive_at_each_read.append(sum(ref() is not None for ref in made))
+
+        def get_model(self):
+            return torch.nn.Module()
+
+    class Engine:
+        def collective_rpc(self, method, args=()):
+            return [method(Worker(), *args)]
+
+        def reset_prefix_cache(self):
+            return True
+
+    backend = object.__new__(VLLMColocated)  # the sync alone, without building an engine
+    backend.model, backend.llm, backend.dtype = model, Engine(), torch.float32
+    backend.weights_version = lambda: 0
+    backend.sync_seconds, backend.syncs = 0.0, 0
+    backend.sync_weights()
+
+    layers = model.get_base_model().config.num_hidden_layers
+    assert len(made) == 4 * layers >= 8  # every adapted projection arrived merged, as a tensor of its own
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert max(alive_at_each_read) <= 2, alive_at_each_read
+    assert backend.syncs == 1
