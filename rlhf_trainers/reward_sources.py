@@ -855,13 +855,22 @@ def _first_failing_row(
     return "on the whole batch; no single row reproduces it"
 
 
+def _names_a_model(value: Any) -> bool:
+    """A path or Hub id in ``reward_funcs``: an existing folder, or a string of the ``owner/name`` form.
+    Other strings stay where they are and are refused as not callable, with the reward sources' message
+    (e.g. a function's name given instead of the function)."""
+    if isinstance(value, os.PathLike):
+        return True
+    return isinstance(value, str) and (os.path.isdir(value) or value.count("/") == 1)
+
+
 def split_reward_funcs(
     reward_funcs: Any,
     reward_processing_classes: Any,
     reward_weights: list[float] | None,
 ) -> tuple[Any, list[Callable[..., Any]], Any, list[float] | None]:
-    """TRL's ``reward_funcs`` (a function, a reward model or a path, or a list mixing them) as the
-    engine's ``(reward_model, reward_funcs, reward_processing_class, reward_weights)``: at most one
+    """TRL's ``reward_funcs`` (a function, a reward model, or its folder or Hub id ``owner/name``, or a list
+    mixing them) as the engine's ``(reward_model, reward_funcs, reward_processing_class, reward_weights)``: at most one
     reward model, moved to the front of the weights (the engine's order: reward model first)."""
     from transformers import PreTrainedModel
 
@@ -881,19 +890,14 @@ def split_reward_funcs(
             f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward_funcs; give one "
             "per reward function (None for plain functions)."
         )
-    models = [i for i, f in enumerate(funcs) if isinstance(f, (str, os.PathLike, PreTrainedModel))]
+    models = [i for i, f in enumerate(funcs) if isinstance(f, PreTrainedModel) or _names_a_model(f)]
     if len(models) > 1:
         raise ValueError(
             f"reward_funcs holds {len(models)} reward models (positions {models}); the trainers take at most "
             "one reward model next to any number of reward functions. Combine the models in a function, "
             "or train with one of them."
         )
-    for i, f in enumerate(funcs):
-        if i not in models and not callable(f):
-            raise ValueError(
-                f"reward_funcs[{i}] is a {type(f).__name__}: expected a function, a sequence-classification "
-                "model or a path to one."
-            )
+    # Entries that are neither a model nor callable are refused by RewardSources, naming their index.
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise ValueError(
             f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward_funcs; give one weight "
