@@ -672,3 +672,36 @@ def test_entropy_bonus_keeps_the_policy_more_random(kit, tmp_path):
 
 
 LEARN_SHORT = {k: v for k, v in LEARN.items() if k != "num_iterations"}
+
+
+# ---- micro-batches by token budget (issue #24's first piece) -------------------------------------------
+
+
+def test_token_budget_micro_batches_give_the_update_of_fixed_ones(kit, tmp_path, monkeypatch):
+    """A mini-batch of 16 split by a token budget (longest rows first, each micro-batch's rows x padded
+    columns within the budget) gives the SGD step of the fixed 4 x 4 split, for a loss type whose counts
+    differ between micro-batches; every micro-batch keeps to the budget."""
+    common = {"max_steps": 1, "max_grad_norm": 0.0, "optim": "sgd", "per_device_train_batch_size": 4}
+    start = _digest(_trainer(kit, tmp_path / "start").policy)
+    fixed = _trainer(kit, tmp_path / "fixed", gradient_accumulation_steps=4, **common)
+    budget = _trainer(
+        kit, tmp_path / "budget", gradient_accumulation_steps=4, max_tokens_per_microbatch=100, **common
+    )
+    seen: list[tuple[int, int]] = []
+    forward = budget._training_forward
+
+    def recording(model, rollout, rows, bounds=None):
+        first, end = bounds
+        seen.append((len(rows), (rollout.query.shape[1] - first) + end))
+        return forward(model, rollout, rows, bounds)
+
+    monkeypatch.setattr(budget, "_training_forward", recording)
+    fixed.train()
+    budget.train()
+    assert all(n * width <= 100 or n == 1 for n, width in seen), seen
+    assert len(seen) != 4 and sum(n for n, _ in seen) == 16
+    step_fixed, step_budget = _digest(fixed.policy) - start, _digest(budget.policy) - start
+    assert step_fixed.abs().max() > 1e-6
+    torch.testing.assert_close(step_budget, step_fixed, rtol=1e-3, atol=1e-8)
+    logged = next(h for h in budget.state.log_history if "perf/micro_batches_per_step" in h)
+    assert logged["perf/micro_batches_per_step"] == len(seen)

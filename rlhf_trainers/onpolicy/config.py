@@ -53,6 +53,17 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     num_mini_batches: int = field(
         default=1, metadata={"help": "Mini-batches (optimizer steps) per epoch over a rollout."}
     )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches by token budget (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu): each "
+            "mini-batch (per_device_train_batch_size x gradient_accumulation_steps completions) is split into "
+            "as few micro-batches as keep rows x padded columns within this many tokens, longest rows "
+            "first, instead of gradient_accumulation_steps fixed ones. The loss counts the whole mini-batch, "
+            "so the update is the same. None: fixed micro-batches. Not with DeepSpeed (its accumulation "
+            "count is fixed)."
+        },
+    )
     local_rollout_forward_batch_size: int = field(
         default=64,
         metadata={"help": "Rows per generation / no-grad forward pass during the rollout, per process."},
@@ -541,7 +552,13 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1.")
-        for name in ("total_episodes", "max_prompt_length", "logprob_chunk_size", "overlong_buffer_length"):
+        for name in (
+            "total_episodes",
+            "max_prompt_length",
+            "logprob_chunk_size",
+            "overlong_buffer_length",
+            "max_tokens_per_microbatch",
+        ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1, or None.")

@@ -246,6 +246,12 @@ class SetupSteps:
         args = self.args
         k = self.completions_per_prompt
         world = self.accelerator.num_processes
+        if args.max_tokens_per_microbatch is not None and self.is_deepspeed_enabled:
+            raise ValueError(
+                f"max_tokens_per_microbatch={args.max_tokens_per_microbatch} under DeepSpeed: DeepSpeed counts "
+                "gradient_accumulation_steps micro-batches per optimizer step, while a token budget makes that "
+                "number vary. Use fixed micro-batches (max_tokens_per_microbatch=None) with DeepSpeed."
+            )
         if args.dynamic_sampling and k < 2:
             raise ValueError(
                 f"dynamic_sampling=True with {self.completions_per_prompt_name}={k}: it drops prompts whose "

@@ -444,9 +444,9 @@ class OnPolicyTrainer(
         self, model: nn.Module, rollout: Rollout, advantages: Advantages, update: int
     ) -> dict[str, float]:
         """Step 7: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over the rollout, each over
-        ``gradient_accumulation_steps`` micro-batches; returns the mean metrics over processes."""
+        ``gradient_accumulation_steps`` micro-batches (or those of the token budget,
+        :meth:`micro_batches`); returns the mean metrics over processes."""
         args = self.args
-        accumulation_steps = args.gradient_accumulation_steps
         N = rollout.response.shape[0]
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         grad_norms: list[float] = []
@@ -465,19 +465,20 @@ class OnPolicyTrainer(
             for epoch in range(args.num_ppo_epochs)
         ]
         normalizations = self._loss_normalizations(rollout, orders)
+        Q = rollout.query.shape[1]
+        micro_batch_counts: list[int] = []
         for epoch, order_on_host in enumerate(orders):
-            order = order_on_host.to(rollout.response.device)
             for mini_batch in range(args.num_mini_batches):
-                for micro in range(accumulation_steps):
-                    first = mini_batch * args.local_mini_batch_size + micro * args.per_device_train_batch_size
-                    span = slice(first, first + args.per_device_train_batch_size)
-                    rows = order[span]
-                    bounds = column_bounds(
-                        query_start[order_on_host[span]],
-                        response_end[order_on_host[span]],
-                        rollout.query.shape[1],
-                    )
-                    last = micro == accumulation_steps - 1
+                size = args.local_mini_batch_size
+                micro_batches = self.micro_batches(
+                    order_on_host[mini_batch * size : (mini_batch + 1) * size], query_start, response_end, Q
+                )
+                micro_batch_counts.append(len(micro_batches))
+                loss_sums: dict[str, torch.Tensor] = {}
+                for micro, on_host in enumerate(micro_batches):
+                    rows = on_host.to(rollout.response.device)
+                    bounds = column_bounds(query_start[on_host], response_end[on_host], Q)
+                    last = micro == len(micro_batches) - 1
                     compat.set_sync_gradients(self.accelerator, last)
                     sync = (
                         contextlib.nullcontext()
@@ -506,10 +507,13 @@ class OnPolicyTrainer(
                         F.masked_mean(entropy.detach(), rollout.response_mask[rows])
                     )
                     for name, value in metrics.items():
-                        # loss/* are shares of the mini-batch's loss: x accumulation_steps, their mean over
-                        # the micro-batches is its sum, the mini-batch's loss.
-                        scale = accumulation_steps if name.startswith("loss/") else 1
-                        stats[name].append(value.detach().float() * scale)
+                        if name.startswith("loss/"):
+                            # shares of the mini-batch's loss: summed over its micro-batches
+                            loss_sums[name] = loss_sums.get(name, 0.0) + value.detach().float()
+                        else:
+                            stats[name].append(value.detach().float())
+                for name, value in loss_sums.items():
+                    stats[name].append(value)
                 if args.max_grad_norm and args.max_grad_norm > 0:
                     norm = compat.clip_grad_norm(self, model)
                     grad_norms.append(float(norm.item() if hasattr(norm, "item") else norm))
@@ -520,10 +524,45 @@ class OnPolicyTrainer(
                 if self.steps_per_update > 1:
                     self.lr_scheduler.step()  # a step is an optimizer step: the schedule moves with each
                 model.zero_grad()
+        if args.max_tokens_per_microbatch is not None:
+            stats["perf/micro_batches_per_step"].append(
+                torch.tensor(sum(micro_batch_counts) / len(micro_batch_counts))
+            )
         reduced = self._reduce_means({name: torch.stack(v).mean() for name, v in stats.items()})
         if grad_norms:
             reduced["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return reduced
+
+    def micro_batches(
+        self, rows: torch.Tensor, query_start: torch.Tensor, response_end: torch.Tensor, query_width: int
+    ) -> list[torch.Tensor]:
+        """How one mini-batch (``rows``, host indices into the rollout, in the shuffled order) is split
+        into micro-batches: ``gradient_accumulation_steps`` of ``per_device_train_batch_size`` rows, or,
+        with ``max_tokens_per_microbatch``, as few micro-batches as keep each one's padded size (rows x
+        its trimmed columns) within the budget: rows longest first, packed greedily (a row longer than
+        the budget alone). The loss denominators count the whole mini-batch, so the split changes the
+        gradient only by float rounding."""
+        args = self.args
+        budget = args.max_tokens_per_microbatch
+        if budget is None:
+            return list(rows.split(args.per_device_train_batch_size))
+        prompt = (query_width - query_start[rows]).clamp_max(query_width)
+        lengths = prompt + response_end[rows]
+        order = rows[torch.argsort(lengths, descending=True, stable=True)]
+        parts: list[list[int]] = []
+        widest_prompt = widest_response = 0
+        for row in order.tolist():
+            p = int(query_width - query_start[row])
+            r = int(response_end[row])
+            if parts:
+                width = max(widest_prompt, p) + max(widest_response, r)
+                if (len(parts[-1]) + 1) * width <= budget:
+                    parts[-1].append(row)
+                    widest_prompt, widest_response = max(widest_prompt, p), max(widest_response, r)
+                    continue
+            parts.append([row])
+            widest_prompt, widest_response = p, r
+        return [torch.tensor(part, dtype=rows.dtype) for part in parts]
 
     def _loss_normalizations(
         self, rollout: Rollout, orders: list[torch.Tensor]

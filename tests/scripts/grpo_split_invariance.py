@@ -4,7 +4,8 @@ For every ``loss_type``, each rank builds the same rollout of 4 prompts x 4 comp
 computes from it the gradient of the whole batch as one micro-batch (the single-process reference). Then
 it trains one step in which the engine sees only its half of the prompts (rank r: prompts 2r and
 2r + 1, their 8 completions), as 2 accumulated micro-batches of 4, with ``scale_rewards='batch'`` (whose
-std is all-reduced) and ``beta > 0``: the gradient the optimizer receives (after DDP's average) must be
+std is all-reduced) and ``beta > 0``, and once more for ``dapo`` with micro-batches by token budget
+(``max_tokens_per_microbatch``, whose micro-batch counts differ between ranks): the gradient the optimizer receives (after DDP's average) must be
 the reference's. The optimizer step itself is skipped. Writes ``result-rank<R>.json`` with the largest
 differences, for ``tests/test_grpo_distributed.py``.
 """
@@ -47,10 +48,12 @@ def gradient(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1).clone() for p in model.parameters() if p.grad is not None])
 
 
-def check(kit: Any, out: str, loss_type: str) -> tuple[int, int, dict[str, float]]:
-    """One loss type: (rank, world size, the differences to the single-process reference)."""
+def check(kit: Any, out: str, loss_type: str, budget: int | None = None) -> tuple[int, int, dict[str, float]]:
+    """One loss type (and micro-batch token budget): (rank, world size, the differences to the
+    single-process reference)."""
     args = GRPOConfig(
-        output_dir=f"{out}/{loss_type}",
+        output_dir=f"{out}/{loss_type}-{budget}",
+        max_tokens_per_microbatch=budget,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_generations=K,
@@ -133,6 +136,8 @@ def main() -> None:
     rank = world = 0
     for loss_type in sorted(LOSS_TYPES):
         rank, world, results[loss_type] = check(kit, out, loss_type)
+    # micro-batches by token budget: their number depends on each rank's lengths
+    rank, world, results["dapo+token_budget"] = check(kit, out, "dapo", budget=30)
     write_rank_result(out, rank, {"world_size": world, "results": results})
 
 
