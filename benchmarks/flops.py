@@ -29,6 +29,9 @@ TRL PPO     generate (head L; its log-probs come from the generation scores); re
 ours RLOO   generate (head L); policy (head L+1; skipped as for PPO); ref (head L+1); reward; E x policy
             fwd+bwd (head L+1)
 TRL RLOO    generate (head L); policy (head L); ref (head L); reward; E x policy fwd+bwd (head L)
+ours GRPO   as ours RLOO; ref only with ``beta > 0``
+TRL GRPO    as TRL RLOO; policy only when the old log-probs are needed (``num_iterations > 1`` or
+            ``steps_per_generation > gradient_accumulation_steps``), ref only with ``beta > 0``
 ==========  ===========================================================================================
 
 The value and reward models are sequence classifiers: body + a one-output head (ignored).
@@ -81,6 +84,8 @@ PASSES: dict[tuple[str, str], list[tuple[str, str, str | None, bool]]] = {
         ("train", "policy", "L", True),
     ],
 }
+PASSES[("ours", "grpo")] = PASSES[("ours", "rloo")]
+PASSES[("trl", "grpo")] = PASSES[("trl", "rloo")]
 
 
 def measure_matmul(sizes: list[int], repeats: int = 10, warmup: int = 2) -> dict[str, Any]:
@@ -148,17 +153,19 @@ def update_flops(
     response_length: int,
     epochs: int,
     policy_forward: bool = True,
+    ref_forward: bool = True,
 ) -> dict[str, float]:
     """Model FLOPs of one update, per phase and in total (see the module docstring for the passes).
 
     ``prompt_tokens`` is the mean number of real prompt tokens per completion; ``policy_forward=False``
-    leaves out the separate no-grad policy pass (ours, when the sampling loop gives the log-probs)."""
+    leaves out the separate no-grad policy pass (ours, when the sampling loop gives the log-probs; TRL's
+    GRPO when it needs no old log-probs), ``ref_forward=False`` the reference pass (GRPO with ``beta=0``)."""
     L = response_length
     T = prompt_tokens + L
     heads = {"L": L, "L+1": L + 1, "T": T}
     out: dict[str, float] = {}
     for phase, model, head, backward in PASSES[(impl, algo)]:
-        if phase == "policy" and not policy_forward:
+        if (phase == "policy" and not policy_forward) or (phase == "ref" and not ref_forward):
             continue
         shape = policy_shape if model == "policy" else reward_shape
         fwd = forward_flops(shape, T, heads[head] if head else 0.0, T) * completions

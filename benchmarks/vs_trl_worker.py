@@ -1,16 +1,16 @@
-"""One benchmark run of one trainer (ours or TRL's, PPO or RLOO), in its own process, for ``vs_trl.py``
-and ``learning_vs_trl.py``.
+"""One benchmark run of one trainer (ours or TRL's, PPO, RLOO or GRPO), in its own process, for
+``vs_trl.py`` and ``learning_vs_trl.py``.
 
 Run by the interpreter of the right virtual environment: the project's ``.venv`` for ours,
 ``benchmarks/.venvs/trl-1.12`` for TRL's PPO (``trl.experimental.ppo.PPOTrainer``), and
-``benchmarks/.venvs/trl-latest`` for TRL's RLOO (``trl.RLOOTrainer``). It imports nothing from this project
+``benchmarks/.venvs/trl-latest`` for TRL's RLOO and GRPO (``trl.RLOOTrainer``, ``trl.GRPOTrainer``). It imports nothing from this project
 on TRL's side: models, tokenizers and prompts come from local folders and a JSON file that the driver
 wrote; the hidden true reward (learning runs only) is read from ``rlhf_trainers/testing/task.py`` as a
 standalone module, loaded by file path.
 
     python benchmarks/vs_trl_worker.py SPEC.json OUT.json
 
-``SPEC.json`` holds ``impl`` ("ours" / "trl"), ``algo`` ("ppo" / "rloo"), ``policy`` and ``reward`` (model
+``SPEC.json`` holds ``impl`` ("ours" / "trl"), ``algo`` ("ppo" / "rloo" / "grpo"), ``policy`` and ``reward`` (model
 folders with their tokenizer), ``prompts`` (a JSON file with "train" and "test" lists of strings) and
 ``settings`` (see :func:`build_trainer`). ``OUT.json`` receives the figures:
 
@@ -322,7 +322,8 @@ def build_trainer(
 
     ``settings``: ``batch`` (completions per update), ``mini_batches``, ``epochs``, ``response_length``,
     ``fixed_length`` (responses ignore EOS), ``rloo_k``, ``learning_rate``, ``kl_coef``, ``temperature``,
-    ``updates``, ``seed``. Every trainer gets: fp32 (``bf16=False``), no gradient checkpointing, CPU, no
+    ``updates``, ``seed``; GRPO: ``num_generations``, ``beta``, ``loss_type`` (and for TRL's side
+    ``trl_generation``), with ``mini_batches`` = ``steps_per_generation`` and ``epochs`` = ``num_iterations``. Every trainer gets: fp32 (``bf16=False``), no gradient checkpointing, CPU, no
     checkpoints, no evaluation, no sample generations, logging every update, one rollout forward batch
     of ``batch`` rows, one micro-batch per mini-batch (``batch / mini_batches`` completions)."""
     from datasets import Dataset
@@ -347,7 +348,7 @@ def build_trainer(
     impl, algo = spec["impl"], spec["algo"]
     if impl == "ours":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+        from rlhf_trainers import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
 
         ours = dict(
             common,
@@ -364,9 +365,36 @@ def build_trainer(
             # Opt-in since it changes glibc's malloc for the whole process; the published runs used it.
             reuse_host_memory=True,
         )
+        if algo == "grpo":
+            # TRL's names (GRPOConfig maps them onto the engine's): a generation of B completions is
+            # steps_per_generation = M micro-batches of B / M, one optimizer step each, for num_iterations
+            # = E passes; max_steps counts optimizer steps; no KL in the reward, beta x k3 as a loss term.
+            for engine_name in ("num_mini_batches", "num_ppo_epochs", "response_length", "kl_coef"):
+                del ours[engine_name]
+            ours.update(
+                steps_per_generation=M,
+                num_iterations=E,
+                max_completion_length=L,
+                num_generations=s["num_generations"],
+                beta=s["beta"],
+                loss_type=s.get("loss_type", "dapo"),
+                max_steps=s["updates"] * M * E,
+            )
         # vs_trl.py --ours-config: our config fields to set on top (e.g. an A/B of one option).
         ours.update(s.get("ours_config") or {})
         dataset = prompt_dataset(train_prompts)
+        if algo == "grpo":
+            trainer = GRPOTrainer(
+                model=policy,
+                # the reward model, or a reward function (reward_source "true" / "model_text")
+                reward_funcs=reward,
+                processing_class=tokenizer,
+                peft_config=lora_config(s),
+                args=GRPOConfig(**ours),
+                train_dataset=dataset,
+                callbacks=[callback],
+            )
+            return trainer, 1, None
         if algo == "ppo":
             trainer = PPOTrainer(
                 model=policy,
@@ -469,6 +497,9 @@ def build_trainer(
         timers.wrap(trainer.optimizer, "step", lambda *a, **k: "optimizer_step")
         return trainer, 1, lambda: tokens.pop() if tokens else float("nan")
 
+    if algo == "grpo":  # newest trl: GRPOTrainer
+        return build_trl_grpo(spec, tokenizer, policy, reward, train_prompts, callback, timers, common)
+
     # newest trl: RLOOTrainer
     from trl import RLOOConfig, RLOOTrainer
 
@@ -529,6 +560,81 @@ def build_trainer(
     return trainer, M * E, lambda: tokens_rloo.pop() if tokens_rloo else float("nan")
 
 
+def build_trl_grpo(
+    spec: dict[str, Any],
+    tokenizer: Any,
+    policy: Any,
+    reward: Any,
+    train_prompts: list[str],
+    callback: Any,
+    timers: PhaseTimers,
+    common: dict[str, Any],
+) -> tuple[Any, int, Callable[[], float]]:
+    """The newest TRL's ``GRPOTrainer`` with the settings of :func:`build_trainer` (``settings``:
+    ``num_generations``, ``beta``, ``loss_type``; ``batch`` = TRL's ``generation_batch_size``, ``mini_batches``
+    = ``steps_per_generation``, ``epochs`` = ``num_iterations``), its phase timers and token counter.
+    Generation through ``transformers.generate`` (TRL's default; ``settings.trl_generation =
+    "continuous_batching"`` selects transformers' continuous-batching engine instead)."""
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    s = spec["settings"]
+    B, M, E, L = s["batch"], s["mini_batches"], s["epochs"], s["response_length"]
+    config = GRPOConfig(
+        **common,
+        per_device_train_batch_size=B // M,
+        steps_per_generation=M,
+        num_iterations=E,
+        num_generations=s["num_generations"],
+        max_completion_length=L,
+        beta=s["beta"],
+        loss_type=s.get("loss_type", "dapo"),
+        top_k=0,
+        top_p=1.0,
+        max_steps=s["updates"] * M * E,
+        gradient_checkpointing=False,
+        use_transformers_continuous_batching=s.get("trl_generation") == "continuous_batching",
+        # TRL's GRPO cuts completions at EOS: fixed-length completions forbid EOS instead.
+        generation_kwargs={"min_new_tokens": L} if s["fixed_length"] else None,
+    )
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=prompt_dataset(train_prompts),
+        processing_class=tokenizer,
+        reward_processing_classes=tokenizer if hasattr(reward, "config") else None,
+        peft_config=lora_config(s),
+        callbacks=[callback],
+    )
+    tokens: list[float] = []
+    original_generate = trainer._generate
+
+    def counted_generate(prompts: Any) -> Any:
+        out = original_generate(prompts)
+        prompt_ids, completion_ids = out[0], out[1]
+        tokens.append(float(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
+        return out
+
+    trainer._generate = counted_generate
+    timers.wrap(trainer, "_generate", lambda *a, **k: "generate")
+
+    def logps_phase(model: Any, *a: Any, **k: Any) -> str:
+        if torch.is_grad_enabled():
+            return "train_forward"
+        return "ref" if model is trainer.ref_model else "policy"
+
+    timers.wrap(trainer, "_get_per_token_logps_and_entropies", logps_phase)
+    timers.wrap(trainer, "_calculate_rewards", lambda *a, **k: "reward")
+    timers.wrap(trainer.accelerator, "backward", lambda *a, **k: "backward")
+
+    def on_optimizer(optimizer: Any) -> None:
+        timers.wrap(optimizer, "step", lambda *a, **k: "optimizer_step")
+
+    trainer._benchmark_wrap_optimizer = on_optimizer  # called from the callback's on_train_begin
+    return trainer, M * E, lambda: tokens.pop() if tokens else float("nan")
+
+
 # ---- main ---------------------------------------------------------------------------------------------
 
 
@@ -549,16 +655,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # both sides: torch, transformers' Trainer and the trainer's own code.
     if impl == "trl" and algo == "ppo":
         import trl.experimental.ppo.ppo_trainer
+    elif impl == "trl" and algo == "grpo":
+        import trl.trainer.grpo_trainer
     elif impl == "trl":
         import trl.trainer.rloo_trainer  # noqa: F401
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import rlhf_trainers.grpo
         import rlhf_trainers.ppo
         import rlhf_trainers.rloo  # noqa: F401
     rss_imports = rss_mib()
     task = spec.get("task")
     reward_source = "task" if task else s.get("reward_source", "model")
-    if reward_source != "model" and algo != "rloo" and impl == "trl":
+    if reward_source != "model" and algo == "ppo" and impl == "trl":
         raise SystemExit(
             f"reward_source {reward_source!r} (a reward function): TRL 1.12's PPO needs a reward model"
         )
