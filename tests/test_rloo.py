@@ -793,7 +793,9 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
             model.zero_grad()
             logprobs, values, entropy = trainer._training_forward(model, trimmed, idx, bounds)
             assert values is None and logprobs.shape == entropy.shape == (len(idx), R)
-            assert entropy.requires_grad  # differentiable (entropy_coeff); unused here, no backward through it
+            assert (
+                entropy.requires_grad
+            )  # differentiable (entropy_coeff); unused here, no backward through it
             loss, _ = trainer.compute_policy_loss(trimmed, trimmed_adv, idx, logprobs, values)
             loss.backward()
             grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
