@@ -1,5 +1,5 @@
-"""Train a real model with verifiable rewards (RLVR): SmolLM2-135M-Instruct, a task graded by code, PPO or
-RLOO with LoRA, reward functions only (no reward model).
+"""Train a real model with verifiable rewards (RLVR): SmolLM2-135M-Instruct, a task graded by code, PPO,
+RLOO or GRPO with LoRA, reward functions only (no reward model).
 
 The tasks are in :mod:`rlhf_trainers.rlvr` (``addition``: "What is 7 + 12? Reply with the number only.";
 ``word_count``: "Describe the ocean in exactly 4 words."). The policy trains on the task's shaped reward
@@ -14,13 +14,15 @@ trains another causal LM with a chat template.
 
     python examples/rlvr.py --trainer rloo --output_dir runs/rlvr-rloo
     python examples/rlvr.py --trainer ppo --output_dir runs/rlvr-ppo
+    python examples/rlvr.py --trainer grpo --output_dir runs/rlvr-grpo   # TRL's names: beta, num_generations
     accelerate launch --num_processes 1 examples/rlvr.py --trainer rloo --output_dir runs/rlvr-rloo
     accelerate launch --multi_gpu --num_processes 2 examples/rlvr.py --trainer rloo --use_cpu true \\
         --output_dir runs/rlvr-rloo-2ranks     # two CPU ranks over gloo (see docs/distributed.md)
 
 Unless the flag is given, the script uses :data:`DEFAULTS` (LoRA r 16 / alpha 32 on every linear layer,
 learning rate 1e-3, temperature 0.7, KL coefficient 0.03, 32 completions per update: 8 prompts x 4 for
-RLOO, 32 prompts for PPO, 10 updates, evaluation every 5) and the task's response length (:data:`RESPONSE_LENGTH`). Every PPOConfig/RLOOConfig (and
+RLOO and GRPO (whose KL is its loss term ``beta``), 32 prompts for PPO, 10 updates, evaluation every 5)
+and the task's response length (:data:`RESPONSE_LENGTH`). Every PPOConfig/RLOOConfig/GRPOConfig (and
 TrainingArguments) field is a flag; ``--help`` lists them. On CPU, give the run one thread per process
 (``OMP_NUM_THREADS=1``) when the machine is shared. See docs/train-a-real-model.md for measured curves.
 """
@@ -37,7 +39,11 @@ from typing import Any
 from rlhf_trainers.rlvr import TASKS, reward_function, success_function, task_dataset
 from rlhf_trainers.scripts._common import LoraArguments, flag_given, parse_args, report, resume_argument
 
-TRAINERS = ("ppo", "rloo")
+TRAINERS = ("ppo", "rloo", "grpo")
+
+#: GRPO's names for the defaults below (GRPOConfig takes TRL's names; one generation = one optimizer step),
+#: with the KL as GRPO's loss term (beta) instead of the reward's.
+GRPO_NAMES = {"rloo_k": "num_generations", "kl_coef": "beta", "num_ppo_epochs": "num_iterations"}
 
 #: Settings used when the flag is not given (measured on SmolLM2 with one CPU thread, see
 #: docs/train-a-real-model.md). rloo_k is RLOO's only (dropped for PPO). 32 completions per update
@@ -102,7 +108,11 @@ class RLVRArguments:
 def _with_defaults(argv: list[str], trainer: str, task: str) -> list[str]:
     """`argv` with :data:`DEFAULTS` (and the task's response length) in front for the flags it lacks."""
     defaults = dict(DEFAULTS, response_length=RESPONSE_LENGTH[task])
-    if trainer != "rloo":
+    if trainer == "grpo":
+        defaults = {GRPO_NAMES.get(name, name): value for name, value in defaults.items()}
+        defaults["max_completion_length"] = defaults.pop("response_length")
+        defaults.pop("num_mini_batches")  # steps_per_generation = gradient_accumulation_steps: one step
+    elif trainer != "rloo":
         defaults.pop("rloo_k")
     return [f"--{name}={value}" for name, value in defaults.items() if not flag_given(name, argv)] + argv
 
@@ -148,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if known.trainer == "ppo":
         from rlhf_trainers import PPOConfig as Config
         from rlhf_trainers import PPOTrainer as Trainer
+    elif known.trainer == "grpo":
+        from rlhf_trainers import GRPOConfig as Config
+        from rlhf_trainers import GRPOTrainer as Trainer
     else:
         from rlhf_trainers import RLOOConfig as Config
         from rlhf_trainers import RLOOTrainer as Trainer
@@ -202,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "num_mini_batches",
                 "num_ppo_epochs",
                 "rloo_k",
+                "num_generations",
+                "beta",
             )
             if hasattr(config, name)
         }

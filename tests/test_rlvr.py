@@ -212,7 +212,7 @@ def _load_example():
     return module
 
 
-@pytest.mark.parametrize("trainer", ["ppo", "rloo"])
+@pytest.mark.parametrize("trainer", ["ppo", "rloo", "grpo"])
 def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, trainer):
     """examples/rlvr.py end to end on the kit's tiny Llama (its chat template), LoRA on: 2 updates,
     evaluated before and after each, the curve JSON written."""
@@ -237,7 +237,7 @@ def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, trainer):
         "4",
         "--per_device_train_batch_size",
         "8",
-        "--response_length",
+        "--max_completion_length" if trainer == "grpo" else "--response_length",  # GRPOConfig: TRL's names
         "6",
         "--use_cpu",
         "true",
