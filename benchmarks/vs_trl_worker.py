@@ -531,15 +531,24 @@ def build_trainer(
         peft_config=lora_config(s),
         callbacks=[callback],
     )
+
+    return trainer, M * E, instrument_trl_trainer(trainer, timers)
+
+
+def instrument_trl_trainer(trainer: Any, timers: PhaseTimers) -> Callable[[], float]:
+    """Phase timers on a TRL RLOO/GRPO trainer (generate, policy/ref/train forward, reward, backward,
+    optimizer step) and a counter of each generation's prompt + completion tokens; returns the function
+    that pops the last count."""
     import torch
 
-    tokens_rloo: list[float] = []
+    tokens: list[float] = []
     original_generate = trainer._generate
 
     def counted_generate(prompts: Any) -> Any:
-        prompt_ids, completion_ids, completions = original_generate(prompts)
-        tokens_rloo.append(float(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
-        return prompt_ids, completion_ids, completions
+        out = original_generate(prompts)
+        prompt_ids, completion_ids = out[0], out[1]
+        tokens.append(float(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
+        return out
 
     trainer._generate = counted_generate
     timers.wrap(trainer, "_generate", lambda *a, **k: "generate")
@@ -557,7 +566,7 @@ def build_trainer(
         timers.wrap(optimizer, "step", lambda *a, **k: "optimizer_step")
 
     trainer._benchmark_wrap_optimizer = on_optimizer  # called from the callback's on_train_begin
-    return trainer, M * E, lambda: tokens_rloo.pop() if tokens_rloo else float("nan")
+    return lambda: tokens.pop() if tokens else float("nan")
 
 
 def build_trl_grpo(
@@ -575,7 +584,6 @@ def build_trl_grpo(
     = ``steps_per_generation``, ``epochs`` = ``num_iterations``), its phase timers and token counter.
     Generation through ``transformers.generate`` (TRL's default; ``settings.trl_generation =
     "continuous_batching"`` selects transformers' continuous-batching engine instead)."""
-    import torch
     from trl import GRPOConfig, GRPOTrainer
 
     s = spec["settings"]
@@ -607,32 +615,7 @@ def build_trl_grpo(
         peft_config=lora_config(s),
         callbacks=[callback],
     )
-    tokens: list[float] = []
-    original_generate = trainer._generate
-
-    def counted_generate(prompts: Any) -> Any:
-        out = original_generate(prompts)
-        prompt_ids, completion_ids = out[0], out[1]
-        tokens.append(float(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
-        return out
-
-    trainer._generate = counted_generate
-    timers.wrap(trainer, "_generate", lambda *a, **k: "generate")
-
-    def logps_phase(model: Any, *a: Any, **k: Any) -> str:
-        if torch.is_grad_enabled():
-            return "train_forward"
-        return "ref" if model is trainer.ref_model else "policy"
-
-    timers.wrap(trainer, "_get_per_token_logps_and_entropies", logps_phase)
-    timers.wrap(trainer, "_calculate_rewards", lambda *a, **k: "reward")
-    timers.wrap(trainer.accelerator, "backward", lambda *a, **k: "backward")
-
-    def on_optimizer(optimizer: Any) -> None:
-        timers.wrap(optimizer, "step", lambda *a, **k: "optimizer_step")
-
-    trainer._benchmark_wrap_optimizer = on_optimizer  # called from the callback's on_train_begin
-    return trainer, M * E, lambda: tokens.pop() if tokens else float("nan")
+    return trainer, M * E, instrument_trl_trainer(trainer, timers)
 
 
 # ---- main ---------------------------------------------------------------------------------------------
