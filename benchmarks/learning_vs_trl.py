@@ -328,6 +328,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--algos", default="ppo,rloo")
+    parser.add_argument("--impls", default="ours,trl", help="which sides run: ours, trl or both")
     parser.add_argument("--updates", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=2, help="samples per held-out prompt")
@@ -385,7 +386,7 @@ def main() -> None:
     for algo in [a for a in args.algos.split(",") if a]:
         for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
             order = ("ours", "trl") if i % 2 == 0 else ("trl", "ours")
-            for impl in order:
+            for impl in [x for x in order if x in args.impls.split(",")]:
                 spec = {
                     "impl": impl,
                     "algo": algo,
