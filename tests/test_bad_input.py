@@ -625,6 +625,45 @@ CASES: list[Case] = [
             r"zero3_save_16bit_model: true",
         ),
     ),
+    # ---- the engine options of issue #23 (every trainer on the engine) ----------------------------
+    *[
+        Case(
+            f"new engine option: {name}={value!r}",
+            ONPOLICY,
+            lambda a, t, f={name: value}: {"config": f},
+            patterns,
+        )
+        for name, value, patterns in (
+            ("kl_loss_coef", -0.1, (r"kl_loss_coef=-0\.1", r">= 0")),
+            ("kl_loss_estimator", "k4", (r"kl_loss_estimator='k4'", r"k3")),
+            ("importance_sampling_level", "prompt", (r"importance_sampling_level='prompt'", r"sequence")),
+            ("loss_agg_mode", "sum", (r"loss_agg_mode='sum'", r"seq-mean-token-sum-norm")),
+            ("entropy_coeff", -1.0, (r"entropy_coeff=-1\.0", r">= 0")),
+            ("top_k", -1, (r"top_k=-1", r">= 0")),
+            ("top_p", 0.0, (r"top_p=0\.0", r"\(0, 1\]")),
+            ("min_p", 2.0, (r"min_p=2\.0", r"\[0, 1\]")),
+            ("dynamic_sampling_max_rounds", 0, (r"dynamic_sampling_max_rounds=0", r">= 1")),
+            ("max_tokens_per_microbatch", 0, (r"max_tokens_per_microbatch=0", r">= 1")),
+        )
+    ],
+    Case(
+        "mask_truncated_completions without a stop token",
+        ONPOLICY,
+        lambda a, t: {"config": {"mask_truncated_completions": True, "stop_token": None}},
+        (r"mask_truncated_completions=True without a stop token", r"stop_token='eos'"),
+    ),
+    Case(
+        "dynamic sampling with one completion per prompt",
+        ("ppo",),
+        lambda a, t: {"config": {"dynamic_sampling": True}},
+        (r"dynamic_sampling=True with num_generations=1", r"2 or more completions"),
+    ),
+    Case(
+        "TRL 1.x name conflicting with the blog's",
+        ("rloo",),
+        lambda a, t: {"config": {"num_generations": 4, "rloo_k": 3}},
+        (r"num_generations=4 and rloo_k=3 name the same setting", r"give one of them"),
+    ),
 ]
 
 
