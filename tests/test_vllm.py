@@ -146,6 +146,19 @@ def test_sampling_follows_the_settings_and_the_torch_seed(kit, tmp_path):
     torch.testing.assert_close(first.generation_logprobs[mask], passes.logprobs[mask], atol=1e-4, rtol=0)
 
 
+def test_top_k_top_p_restrict_vllms_draws_and_its_processed_logprobs(kit, tmp_path):
+    """With top-k / top-p, vLLM's processed log-probs are those of the restricted, renormalized
+    distribution: at least the trained (unrestricted) ones on every sampled token, so the importance
+    weights pi_train / pi_vllm are at most 1 (docs/generation.md)."""
+    trainer = _trainer(kit, tmp_path, response_length=10, temperature=0.7, top_k=5, top_p=0.6)
+    torch.manual_seed(1)
+    samples = trainer.sample_responses(trainer._prompt_batch(0), copies=4, with_logprobs=True)
+    passes = trainer.rollout_logprobs(samples)
+    mask = samples.response_mask
+    gap = (samples.generation_logprobs - passes.logprobs)[mask]
+    assert gap.min() > -1e-4 and gap.mean() > 0.1, (gap.min(), gap.mean())
+
+
 def test_building_the_engine_leaves_the_process_as_it_was(kit):
     """vLLM seeds the global generators and, on CPU, replaces torch.set_num_threads; both are undone."""
     import random
