@@ -216,6 +216,40 @@ def test_rloo_learns_with_a_reward_function(kit, tmp_path):
     _learns(trainer, 0.5)
 
 
+def test_grpo_learns_with_vllm(kit, tmp_path):
+    """GRPOTrainer on the same engine: use_vllm works as for PPO and RLOO (TRL's names, a step is an
+    optimizer step; the vLLM importance weights reach GRPO's loss)."""
+    from rlhf_trainers import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "grpo"),
+        use_vllm=True,
+        num_generations=4,
+        per_device_train_batch_size=16,
+        steps_per_generation=2,
+        num_iterations=2,
+        max_completion_length=12,
+        learning_rate=2e-3,
+        max_steps=48,
+        logging_steps=4,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        num_sample_generations=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=kit.load_model(POLICY),
+        reward_funcs=true_reward,
+        args=args,
+        train_dataset=kit.prompt_dataset("train", n=512),
+        eval_dataset=kit.prompt_dataset("test", n=96),
+        processing_class=kit.load_tokenizer(),
+    )
+    _learns(trainer, 0.3)
+
+
 def test_ppo_learns_with_a_reward_model(kit, tmp_path, reward_model_dir):
     trainer = _trainer(
         kit,
