@@ -521,18 +521,32 @@ def build_trainer(
         # TRL RLOO always cuts completions at EOS: fixed-length responses forbid EOS instead.
         generation_kwargs={"min_new_tokens": L} if s["fixed_length"] else None,
     )
-    trainer = RLOOTrainer(
+    trainer = trl_trainer(RLOOTrainer, config, policy, reward, tokenizer, train_prompts, s, callback)
+
+    return trainer, M * E, instrument_trl_trainer(trainer, timers)
+
+
+def trl_trainer(
+    trainer_class: Any,
+    config: Any,
+    policy: Any,
+    reward: Any,
+    tokenizer: Any,
+    train_prompts: list[str],
+    settings: dict[str, Any],
+    callback: Any,
+) -> Any:
+    """A TRL 1.x RLOO or GRPO trainer (the same constructor) on the benchmark's job."""
+    return trainer_class(
         model=policy,
         reward_funcs=reward,
         args=config,
         train_dataset=prompt_dataset(train_prompts),
         processing_class=tokenizer,
         reward_processing_classes=tokenizer if hasattr(reward, "config") else None,
-        peft_config=lora_config(s),
+        peft_config=lora_config(settings),
         callbacks=[callback],
     )
-
-    return trainer, M * E, instrument_trl_trainer(trainer, timers)
 
 
 def instrument_trl_trainer(trainer: Any, timers: PhaseTimers) -> Callable[[], float]:
@@ -605,16 +619,7 @@ def build_trl_grpo(
         # TRL's GRPO cuts completions at EOS: fixed-length completions forbid EOS instead.
         generation_kwargs={"min_new_tokens": L} if s["fixed_length"] else None,
     )
-    trainer = GRPOTrainer(
-        model=policy,
-        reward_funcs=reward,
-        args=config,
-        train_dataset=prompt_dataset(train_prompts),
-        processing_class=tokenizer,
-        reward_processing_classes=tokenizer if hasattr(reward, "config") else None,
-        peft_config=lora_config(s),
-        callbacks=[callback],
-    )
+    trainer = trl_trainer(GRPOTrainer, config, policy, reward, tokenizer, train_prompts, s, callback)
     return trainer, M * E, instrument_trl_trainer(trainer, timers)
 
 
