@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,12 +93,18 @@ def train_reward_model(work: Path) -> dict[str, Any]:
     import torch
 
     from rlhf_trainers.testing import get_kit
-    from rlhf_trainers.testing.kit_reward import train_kit_reward_model
+    from rlhf_trainers.testing.kit_reward import EDGE_CASE_ROWS, edge_case_pairs, train_kit_reward_model
 
     out = work / "tiny" / "reward-trained"
     info_path = out / "benchmark_info.json"
+    # The recipe's edge-case pairs (their number and a digest of the first rows) decide whether a cached model
+    # is still the recipe's: a model trained by an older recipe is trained again.
+    recipe = {"edge_cases": EDGE_CASE_ROWS, "edge_case_rows": edge_case_pairs("train", 8).to_list()}
     if info_path.is_file():
-        return json.loads(info_path.read_text())
+        info = json.loads(info_path.read_text())
+        if info.get("recipe") == recipe:
+            return info
+        shutil.rmtree(out)
     kit = get_kit()
     tmp = out.with_name(out.name + ".tmp")
     trainer = train_kit_reward_model(kit, tmp)
@@ -110,7 +117,7 @@ def train_reward_model(work: Path) -> dict[str, Any]:
             batch = tokenizer(texts, return_tensors="pt", padding=True)
             scores = model(**batch).logits.squeeze(-1)
             correct += int(scores[0] > scores[1])
-    info = {"path": str(out), "test_pairs": len(test), "test_accuracy": correct / len(test)}
+    info = {"path": str(out), "test_pairs": len(test), "test_accuracy": correct / len(test), "recipe": recipe}
     (tmp / "benchmark_info.json").write_text(json.dumps(info))
     os.replace(tmp, out)
     return info
@@ -275,19 +282,25 @@ def settings_text(report: dict[str, Any]) -> str:
     rm = report["reward_model"]
     algos = sorted({r["algo"] for r in report["results"]})
     kind = reward_kind(report)
+    edge = (rm.get("recipe") or {}).get("edge_cases", 0)
+    pairs = (
+        f"the kit's 2048 preference pairs + {edge} edge-case pairs"
+        if edge
+        else "the kit's 2048 preference pairs"
+    )
     if kind == "true":
         source = "reward: the hidden true reward as a reward function (`true_reward`), on both sides"
     elif kind == "model-text":
         source = (
-            f"reward: the reward model (llama-sft + head trained by our RewardTrainer, held-out pair accuracy "
-            f"{rm['test_accuracy']:.3f}) on prompt + completion text without special tokens, re-tokenized: "
+            f"reward: the reward model (llama-sft + head trained by our RewardTrainer on {pairs}, held-out "
+            f"pair accuracy {rm['test_accuracy']:.3f}) on prompt + completion text without special tokens, re-tokenized: "
             f"TRL's {'GRPO' if algos == ['grpo'] else 'RLOO'} does this itself, ours through a reward function "
             "that does the same"
         )
     else:
         source = (
-            f"reward model = llama-sft + head trained by our RewardTrainer (held-out pair accuracy "
-            f"{rm['test_accuracy']:.3f}), the same for all trainers"
+            f"reward model = llama-sft + head trained by our RewardTrainer on {pairs} (held-out pair "
+            f"accuracy {rm['test_accuracy']:.3f}), the same for all trainers"
         )
     if algos == ["grpo"]:
         G = s["num_generations"]

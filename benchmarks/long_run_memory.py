@@ -1,6 +1,6 @@
 """Memory over a long run: does a trainer's resident memory grow with the number of updates?
 
-Runs many small updates of PPOTrainer or RLOOTrainer on the offline kit (tiny Llama, the hidden true
+Runs many small updates of PPOTrainer, RLOOTrainer or GRPOTrainer on the offline kit (tiny Llama, the hidden true
 reward as the reward function), or many optimizer steps of RewardTrainer on the kit's preference pairs
 (the tiny Llama with a score head; the 2,048 pairs repeat as epochs), with a checkpoint every
 ``--save-steps`` updates and logging every update, so that the paths a real run takes all run many
@@ -11,6 +11,10 @@ updates the second half's peak must be within 5 % of the first's).
     python benchmarks/long_run_memory.py --trainer ppo --updates 1000 --tag cpu --out benchmarks/results
     python benchmarks/long_run_memory.py --trainer rloo --updates 1000 --tag cpu --out benchmarks/results
     python benchmarks/long_run_memory.py --trainer reward --updates 1000 --tag cpu --out benchmarks/results
+    python benchmarks/long_run_memory.py --trainer grpo --updates 1000 --tag cpu --out benchmarks/results
+
+GRPO runs with TRL's batch semantics: 8 completions (4 prompts x ``num_generations=2``) per generation and
+one optimizer step per generation, so an update is one step, as for the other trainers.
 
 Writes ``<out>/long_run_memory_<trainer>[_<tag>].json``: the per-update RSS (MiB), both peaks, the
 ratio, the seconds per update, the torch threads and the machine.
@@ -46,7 +50,16 @@ def run(trainer_name: str, updates: int, save_steps: int, seed: int, progress: i
     from transformers import PrinterCallback, TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
+    from rlhf_trainers import (
+        GRPOConfig,
+        GRPOTrainer,
+        PPOConfig,
+        PPOTrainer,
+        RewardConfig,
+        RewardTrainer,
+        RLOOConfig,
+        RLOOTrainer,
+    )
     from rlhf_trainers.testing import get_kit, true_reward
 
     hf_logging.set_verbosity_error()
@@ -90,6 +103,15 @@ def run(trainer_name: str, updates: int, save_steps: int, seed: int, progress: i
                 train_dataset=kit.preference_dataset("train"),
                 callbacks=[Probe()],
             )
+        elif trainer_name == "grpo":
+            trainer = GRPOTrainer(
+                model=kit.load_model("llama-sft"),
+                processing_class=kit.load_tokenizer(),
+                args=GRPOConfig(output_dir=tmp, num_generations=2, max_completion_length=8, **common),
+                train_dataset=kit.prompt_dataset("train", n=512),
+                reward_funcs=true_reward,
+                callbacks=[Probe()],
+            )
         else:
             config_class, trainer_class = (
                 (PPOConfig, PPOTrainer) if trainer_name == "ppo" else (RLOOConfig, RLOOTrainer)
@@ -126,7 +148,7 @@ def summarize(rss: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainer", choices=["ppo", "rloo", "reward"], default="ppo")
+    parser.add_argument("--trainer", choices=["ppo", "rloo", "grpo", "reward"], default="ppo")
     parser.add_argument("--updates", type=int, default=1000)
     parser.add_argument("--save-steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)

@@ -224,7 +224,7 @@ def table_learning_vs_trl_real() -> str:
 
 
 #: How the long-run tables and plot name each trainer.
-TRAINER_NAMES = {"ppo": "PPO", "rloo": "RLOO", "reward": "Reward"}
+TRAINER_NAMES = {"ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "reward": "Reward"}
 
 
 def _trainer_name(name: str) -> str:

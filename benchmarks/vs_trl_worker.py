@@ -276,12 +276,18 @@ def sample_texts(policy: Any, tokenizer: Any, batch: Any, settings: dict[str, An
 
 
 def evaluate_true_reward(
-    policy: Any, tokenizer: Any, prompts: list[str], settings: dict[str, Any], true_reward: Callable
+    policy: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    settings: dict[str, Any],
+    true_reward: Callable,
+    samples: list[str] | None = None,
 ) -> float:
     """Mean true reward of ``eval_samples`` sampled completions per held-out prompt (temperature
     ``temperature``, top-k 0, top-p 1, stop at EOS, ``response_length`` new tokens at most). The torch RNG
     is seeded for the evaluation and restored afterwards, so the training run's random stream is not
-    touched."""
+    touched. ``samples``, if given, receives the first 8 prompt + completion texts (to see what a policy
+    learned, e.g. a reward hack)."""
     import torch
 
     rng = torch.get_rng_state()
@@ -297,6 +303,8 @@ def evaluate_true_reward(
                     batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
                     texts = sample_texts(policy, tokenizer, batch, settings)
                     rewards += true_reward(chunk, texts)
+                    if samples is not None and len(samples) < 8:
+                        samples += [p + t for p, t in zip(chunk, texts, strict=True)][: 8 - len(samples)]
     finally:
         policy.train(was_training)
         torch.set_rng_state(rng)
@@ -715,8 +723,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             scores = evaluate_success(model, tokenizer, prompts["test"], s, task_module, task["name"])
             evals.append({"update": update, "episodes": update * s["batch"], **scores})
         else:
-            value_ = evaluate_true_reward(policy, tokenizer, prompts["test"], s, true_reward)
-            evals.append({"update": update, "episodes": update * s["batch"], "true_reward": value_})
+            texts: list[str] = []
+            value_ = evaluate_true_reward(policy, tokenizer, prompts["test"], s, true_reward, texts)
+            evals.append(
+                {"update": update, "episodes": update * s["batch"], "true_reward": value_, "samples": texts}
+            )
         marks["eval_s"] += time.perf_counter() - t0
 
     class Probe(TrainerCallback):

@@ -446,6 +446,50 @@ def test_preference_datasets(kit):
         kit.preference_dataset(shape="pairs")
 
 
+def test_edge_case_pairs_follow_the_hidden_rule():
+    from rlhf_trainers.testing.kit_reward import edge_case_pairs
+
+    pairs = edge_case_pairs("train", 64)
+    assert pairs.column_names == ["prompt", "chosen", "rejected"] and len(pairs) == 64
+    chosen = true_reward(pairs["prompt"], pairs["chosen"])
+    rejected = true_reward(pairs["prompt"], pairs["rejected"])
+    assert all(c > r for c, r in zip(chosen, rejected, strict=True))
+    # in turn: the empty completion, a cut one (no final " ."), two sentences, a sentence and stray " ."
+    assert all("" in pair for pair in zip(pairs["chosen"][0::4], pairs["rejected"][0::4], strict=True))
+    for cut in zip(pairs["chosen"][1::4], pairs["rejected"][1::4], strict=True):
+        assert any(c.strip() and not c.endswith(".") for c in cut)
+    for run_on in zip(pairs["chosen"][2::4], pairs["rejected"][2::4], strict=True):
+        assert any(c.count(" .") == 2 and c.endswith(" .") for c in run_on)
+    for stray in zip(pairs["chosen"][3::4], pairs["rejected"][3::4], strict=True):
+        assert any(c.endswith(" . .") for c in stray)
+    assert edge_case_pairs("train", 10).to_list() == pairs.to_list()[:10]  # deterministic, prefix-stable
+    assert set(edge_case_pairs("test", 32)["prompt"]).isdisjoint(pairs["prompt"])
+    with pytest.raises(ValueError, match="split"):
+        edge_case_pairs("validation", 4)
+
+
+def test_kit_reward_model_ranks_the_empty_completion_by_the_hidden_rule(kit, reward_model_dir):
+    """The empty completion (true reward 0) scores below a positive completion and above a negative one on
+    every held-out prompt: a reward model that ranked it near the top let GRPO learn to stop at once."""
+    from rlhf_trainers.models import load_reward_model
+    from rlhf_trainers.reward_sources import score_texts
+
+    model, _ = load_reward_model(reward_model_dir)
+    tokenizer = kit.load_tokenizer()
+    prompts = kit.prompt_dataset("test")["prompt"]
+
+    def scores(completion):
+        texts = [p + completion for p in prompts]
+        return score_texts(model, tokenizer, texts, add_eos=True, normalize=False)
+
+    empty, positive, negative = scores(""), scores(" good and nice ."), scores(" bad and cold .")
+    print(
+        f"margins: positive - empty >= {float((positive - empty).min()):.2f}, empty - negative >= "
+        f"{float((empty - negative).min()):.2f}"
+    )
+    assert float((positive - empty).min()) > 1.0 and float((empty - negative).min()) > 1.0
+
+
 def test_corpus(kit):
     corpus = kit.corpus()
     assert len(corpus) == 16384 and kit.corpus(5) == corpus[:5]
