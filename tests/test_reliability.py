@@ -18,12 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import file_syncs  # tests/ is on sys.path under pytest
 import pytest
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer
+from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, reliability
 from rlhf_trainers.reliability import STAGING_PREFIX
 from rlhf_trainers.testing import true_reward
 
@@ -333,6 +334,50 @@ def test_checkpoints_appear_only_complete_and_rotation_waits_for_the_new_one(kit
         assert not [n for n in listing if n.startswith(STAGING_PREFIX)], listing
         assert len([n for n in listing if n.startswith("checkpoint-")]) <= 2, listing
     assert (out / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+@pytest.mark.skipif(not file_syncs.can_record(), reason="needs /proc/self/fd to name fsync'ed files")
+def test_every_file_and_folder_of_a_checkpoint_is_fsynced_before_the_rename(kit, tmp_path, monkeypatch):
+    """Power loss: the checkpoint's files (weights, value model in a subfolder, optimizer, RNG, trainer and
+    on-policy state) and folders are fsync'ed in staging, then renamed, then the rename is fsync'ed; so the
+    rename cannot reach the disk before the bytes it makes look complete. Without the fsyncs the same
+    record check fails (the check can fail)."""
+    out = tmp_path / "out"
+    with file_syncs.record_file_syncs() as events:
+        trainer = _ppo(kit, tmp_path, max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1)
+        trainer.train()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", "."))) == ["checkpoint-2"]
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "value_model" / "model.safetensors").is_file()
+    assert file_syncs.not_durable_before_rename(events, checkpoint) == []
+    replaced = [i for i, e in enumerate(events) if e[0] == "replace" and e[2].endswith("checkpoint-1")]
+    assert len(replaced) == 1  # checkpoint-1 was made durable the same way before it was rotated away
+    assert any(
+        e[0] == "fsync" and e[1].endswith("checkpoint-1/trainer_state.json") for e in events[: replaced[0]]
+    )
+
+    monkeypatch.setattr(reliability, "FSYNC_CHECKPOINTS", False)
+    with file_syncs.record_file_syncs() as events:
+        _ppo(kit, tmp_path / "unsynced", max_steps=1, save_strategy="steps", save_steps=1).train()
+    missing = file_syncs.not_durable_before_rename(events, tmp_path / "unsynced" / "out" / "checkpoint-1")
+    assert "trainer_state.json not fsync'ed before the rename" in missing
+
+
+@pytest.mark.skipif(not file_syncs.can_record(), reason="needs /proc/self/fd to name fsync'ed files")
+def test_fsync_tree_syncs_every_file_and_folder_deepest_first(tmp_path, monkeypatch):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("x.bin", "a/y.json", "a/b/z.pt"):
+        (tmp_path / name).write_bytes(b"1")
+    (tmp_path / "link").symlink_to(tmp_path / "x.bin")
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    assert reliability.fsync_tree(str(tmp_path)) == 6  # 3 files, 3 folders; the symlink is skipped
+    root = os.path.realpath(tmp_path)
+    expected = {os.path.join(root, p) for p in ("x.bin", "a/y.json", "a/b/z.pt", "a", "a/b")} | {root}
+    assert set(synced) == expected and len(synced) == 6
+    assert synced[-1] == root  # the top folder last, after everything in it
+    assert synced.index(os.path.join(root, "a/b")) < synced.index(os.path.join(root, "a"))
 
 
 def test_save_on_interrupt_false_keeps_the_default_handlers(kit, tmp_path):
