@@ -216,6 +216,44 @@ def test_a_step_with_nan_gradients_is_skipped_and_counted(kit, tmp_path):
     assert [logs[s]["train/nonfinite_steps_skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
+class SigtermAfter(TrainerCallback):
+    """Send this process SIGTERM at the end of update ``step`` (``save_on_interrupt`` then saves and stops)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_resume_inside_a_logging_window_logs_the_uninterrupted_runs_entries(kit, tmp_path):
+    """A log entry averages the updates since the previous one (logging_steps=4 here); an interruption
+    can save between two entries. The resumed run logs at step 8 the average over updates 5-8, as the
+    uninterrupted run does (the updates before the interruption included), and counts the skipped
+    non-finite step of update 2 (train/nonfinite_steps_skipped) as it does."""
+    settings = {"max_steps": 8, "logging_steps": 4, "seed": 5}
+    full = _ppo(kit, tmp_path / "full", **settings)
+    _poison_training_logits(full, lambda finished: finished == 1)
+    full.train()
+    stopped = _ppo(kit, tmp_path / "run", callbacks=[SigtermAfter(6)], **settings)
+    _poison_training_logits(stopped, lambda finished: finished == 1)
+    stopped.train()
+    assert stopped.interrupted and stopped.state.global_step == 6
+    resumed = _ppo(kit, tmp_path / "run", **settings)
+    resumed.train(resume_from_checkpoint=True)
+
+    def entries(trainer):
+        return {h["step"]: h for h in trainer.state.log_history if "objective/scores" in h}
+
+    a, b = entries(full), entries(resumed)
+    assert sorted(a) == [4, 8] and sorted(b) == [4, 8]  # the resumed state holds the entry of step 4
+    assert a[8]["train/nonfinite_steps_skipped"] == 1.0
+    for key, value in a[8].items():
+        if isinstance(value, (int, float)) and not key.startswith(TIME_KEYS):
+            assert b[8][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, value, b[8][key])
+
+
 def test_too_many_consecutive_nonfinite_steps_stop_training_with_the_causes(kit, tmp_path):
     trainer = _ppo(kit, tmp_path, max_steps=5, max_nonfinite_steps=2)
     _poison_training_logits(trainer, lambda finished: True)
