@@ -19,13 +19,21 @@ TIME_KEYS = ("timing/", "perf/", "train_runtime")
 
 
 class CountSteps(TrainerCallback):
-    """The Trainer steps this ``train()`` call ran (``on_step_end`` calls; one per on-policy update)."""
+    """The Trainer steps this ``train()`` call ran (``on_step_end`` calls; one per on-policy update), and
+    the epoch events it heard: ``("begin" | "end", global_step)``."""
 
     def __init__(self) -> None:
         self.steps = 0
+        self.epochs: list[tuple[str, int]] = []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps += 1
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.epochs.append(("begin", state.global_step))
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.epochs.append(("end", state.global_step))
 
 
 def logged_steps(trainer: Any) -> dict[int, dict[str, float]]:
@@ -43,11 +51,11 @@ def logged_steps(trainer: Any) -> dict[int, dict[str, float]]:
 
 def resume_from_each(
     build: Callable[..., Any], root: Path, checkpoints: Sequence[int]
-) -> tuple[Any, dict[int, tuple[Any, int]]]:
+) -> tuple[Any, dict[int, tuple[Any, CountSteps]]]:
     """Train ``build(root / "full")`` uninterrupted (it must save ``checkpoint-<step>`` for every step of
     ``checkpoints`` on its way), then, for each of them, a fresh ``build(root / "from-<step>", callbacks=...)``
     resumed from that checkpoint (in its own output folder). Returns the uninterrupted trainer and, per
-    step, the resumed trainer and the number of steps it ran."""
+    step, the resumed trainer and its :class:`CountSteps`."""
     full = build(root / "full")
     full.train()
     resumed = {}
@@ -57,7 +65,7 @@ def resume_from_each(
         counter = CountSteps()
         trainer = build(root / f"from-{step}", callbacks=[counter])
         trainer.train(resume_from_checkpoint=str(checkpoint))
-        resumed[step] = (trainer, counter.steps)
+        resumed[step] = (trainer, counter)
     return full, resumed
 
 

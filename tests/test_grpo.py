@@ -409,8 +409,9 @@ def test_resume_at_the_end_of_a_pass_over_the_prompts_and_within_the_next(kit, t
 
     full, resumed = resume_from_each(build, tmp_path, checkpoints=(16, 24))
     assert (full.updates_per_data_epoch, full.num_updates, full.state.global_step) == (4, 10, 40)
-    for step, (trainer, ran) in resumed.items():
-        assert ran == (40 - step) // 4, (step, ran)  # on_step_end once per generation
+    for step, (trainer, seen) in resumed.items():
+        assert seen.steps == (40 - step) // 4, (step, seen.steps)  # on_step_end once per generation
+        assert seen.epochs == [("begin", step), ("end", 32), ("begin", 32), ("end", 40)], seen.epochs
         assert_resumed_like_uninterrupted(full, trainer, step)
 
 

@@ -343,8 +343,10 @@ def test_resume_at_the_end_of_a_pass_over_the_prompts_and_within_the_next(kit, t
 
     full, resumed = resume_from_each(build, tmp_path, checkpoints=(4, 6))
     assert (full.updates_per_data_epoch, full.num_updates, full.state.global_step) == (4, 10, 10)
-    for step, (trainer, ran) in resumed.items():
-        assert ran == 10 - step, (step, ran)
+    for step, (trainer, seen) in resumed.items():
+        assert seen.steps == 10 - step, (step, seen.steps)
+        # A pass entered in its middle opens with on_epoch_begin too (as Trainer does for a resumed epoch).
+        assert seen.epochs == [("begin", step), ("end", 8), ("begin", 8), ("end", 10)], seen.epochs
         assert_resumed_like_uninterrupted(full, trainer, step)
 
 
