@@ -394,6 +394,26 @@ def test_every_file_and_folder_of_a_checkpoint_is_fsynced_before_the_rename(kit,
         e[0] == "fsync" and e[1].endswith("checkpoint-1/trainer_state.json") for e in events[: replaced[0]]
     )
 
+    # RewardTrainer saves through transformers.Trainer's own loop, into the same staging.
+    reward = RewardTrainer(
+        model=str(kit.model_path("llama-sft")),
+        args=RewardConfig(
+            output_dir=str(tmp_path / "rm"),
+            per_device_train_batch_size=8,
+            max_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            report_to="none",
+            use_cpu=True,
+            max_length=64,
+            disable_tqdm=True,
+        ),
+        train_dataset=kit.preference_dataset("train", n=8),
+    )
+    with file_syncs.record_file_syncs() as events:
+        reward.train()
+    assert file_syncs.not_durable_before_rename(events, tmp_path / "rm" / "checkpoint-1") == []
+
     monkeypatch.setattr(reliability, "FSYNC_CHECKPOINTS", False)
     with file_syncs.record_file_syncs() as events:
         _ppo(kit, tmp_path / "unsynced", max_steps=1, save_strategy="steps", save_steps=1).train()

@@ -174,6 +174,7 @@ class OnPolicyTrainer(
             else F.FixedKLController(args.kl_coef)
         )
         self._log_buffer: dict[str, list[float]] = defaultdict(list)
+        self._pass_open = False
         self._ratio_warned = False
         #: True when the last train() stopped early on SIGTERM/SIGINT (``save_on_interrupt``).
         self.interrupted = False
