@@ -10,6 +10,8 @@ construction a config that ``deepspeed.initialize`` would refuse only when ``tra
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
 import shutil
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .compat import TrainerHooksMixin
+
+logger = logging.getLogger(__name__)
 
 #: Whether :class:`AtomicCheckpointMixin` makes each checkpoint durable (:func:`fsync_tree`) before renaming
 #: it into place. Always on in the library; ``benchmarks/checkpoint_fsync.py`` turns it off to measure
@@ -112,23 +116,49 @@ class ReliabilityArguments:
             )
 
 
-def fsync_dir(path: str) -> None:
-    """``fsync`` the directory ``path`` itself: its entries (files created, renamed or removed in it) reach
-    the disk. A no-op where directories cannot be opened (Windows)."""
-    if os.name == "nt":  # pragma: no cover - no directory fsync on Windows
-        return
+#: ``errno`` values of an ``fsync`` that the filesystem does not support (some FUSE and network filesystems
+#: refuse it, on folders especially): nothing to make durable there, so the save goes on. Any other error
+#: (EIO, ENOSPC: bytes that did not reach the disk) is raised.
+FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF})
+
+_fsync_unsupported_warned = False
+
+
+def _fsync_path(path: str) -> None:
+    global _fsync_unsupported_warned
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if error.errno not in FSYNC_UNSUPPORTED:
+            raise
+        if not _fsync_unsupported_warned:
+            _fsync_unsupported_warned = True
+            logger.warning(
+                "fsync is not supported for %s (%s); checkpoints on this filesystem are not made durable "
+                "against power loss.",
+                path,
+                os.strerror(error.errno),
+            )
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """``fsync`` the directory ``path`` itself: its entries (files created, renamed or removed in it) reach
+    the disk. A no-op where directories cannot be opened (Windows), or their filesystem does not support
+    ``fsync`` (:data:`FSYNC_UNSUPPORTED`, warned once)."""
+    if os.name == "nt":  # pragma: no cover - no directory fsync on Windows
+        return
+    _fsync_path(path)
 
 
 def fsync_tree(path: str) -> int:
     """Make everything written under the directory ``path`` durable: ``fsync`` every regular file in it
     (any depth; symbolic links are skipped), then every directory, deepest first and ``path`` last, so
     that the data and the names of all files are on the disk once this returns. Returns the number of
-    files and directories synced.
+    files and directories synced. An error of ``fsync`` is raised (the bytes may not be on the disk)
+    unless the filesystem does not support it (:data:`FSYNC_UNSUPPORTED`, warned once).
 
     ``fsync`` acts on the file, not on the process that wrote it: one process can make the files that other
     processes of the same machine wrote (e.g. other ranks' shards) durable, once they have closed them."""
@@ -138,11 +168,7 @@ def fsync_tree(path: str) -> int:
             file = os.path.join(folder, name)
             if os.path.islink(file) or not os.path.isfile(file):
                 continue
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(file)
             count += 1
         fsync_dir(folder)
         count += 1

@@ -10,6 +10,7 @@ tests/test_ppo_distributed.py, which already trains the uninterrupted ZeRO-2 run
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -436,6 +437,26 @@ def test_fsync_tree_syncs_every_file_and_folder_deepest_first(tmp_path, monkeypa
     assert set(synced) == expected and len(synced) == 6
     assert synced[-1] == root  # the top folder last, after everything in it
     assert synced.index(os.path.join(root, "a/b")) < synced.index(os.path.join(root, "a"))
+
+
+@pytest.mark.parametrize(
+    ("code", "raised"), [(errno.EINVAL, False), (errno.ENOTSUP, False), (errno.EIO, True)]
+)
+def test_fsync_tree_goes_on_where_fsync_is_unsupported_and_raises_a_write_error(
+    tmp_path, monkeypatch, code, raised
+):
+    (tmp_path / "x.bin").write_bytes(b"1")
+
+    def failing(fd):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", failing)
+    monkeypatch.setattr(reliability, "_fsync_unsupported_warned", False)
+    if raised:  # the bytes may not have reached the disk: the save must fail
+        with pytest.raises(OSError, match=os.strerror(code)):
+            reliability.fsync_tree(str(tmp_path))
+    else:  # a filesystem without fsync (some FUSE/network ones): nothing to make durable, the save goes on
+        assert reliability.fsync_tree(str(tmp_path)) == 2
 
 
 def test_save_on_interrupt_false_keeps_the_default_handlers(kit, tmp_path):
