@@ -10,6 +10,8 @@ construction a config that ``deepspeed.initialize`` would refuse only when ``tra
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
 import shutil
@@ -20,6 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .compat import TrainerHooksMixin
+
+logger = logging.getLogger(__name__)
+
+#: Whether :class:`AtomicCheckpointMixin` makes each checkpoint durable (:func:`fsync_tree`) before renaming
+#: it into place. Always on in the library; ``benchmarks/checkpoint_fsync.py`` turns it off to measure
+#: what the fsyncs cost. Not a setting: a checkpoint without them can be lost, or half-written, on power loss.
+FSYNC_CHECKPOINTS = True
 
 #: Prefix of the folder a checkpoint is written into before it is renamed to ``checkpoint-<step>``. It does
 #: not match ``transformers.trainer_utils.get_last_checkpoint``'s pattern, so a checkpoint that was being
@@ -107,12 +116,74 @@ class ReliabilityArguments:
             )
 
 
+#: ``errno`` values of an ``fsync`` that the filesystem does not support (some FUSE and network filesystems
+#: refuse it, on folders especially): nothing to make durable there, so the save goes on. Any other error
+#: (EIO, ENOSPC: bytes that did not reach the disk) is raised.
+FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF})
+
+_fsync_unsupported_warned = False
+
+
+def _fsync_path(path: str) -> None:
+    global _fsync_unsupported_warned
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in FSYNC_UNSUPPORTED:
+            raise
+        if not _fsync_unsupported_warned:
+            _fsync_unsupported_warned = True
+            logger.warning(
+                "fsync is not supported for %s (%s); checkpoints on this filesystem are not made durable "
+                "against power loss.",
+                path,
+                os.strerror(error.errno),
+            )
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """``fsync`` the directory ``path`` itself: its entries (files created, renamed or removed in it) reach
+    the disk. A no-op where directories cannot be opened (Windows), or their filesystem does not support
+    ``fsync`` (:data:`FSYNC_UNSUPPORTED`, warned once)."""
+    if os.name == "nt":  # pragma: no cover - no directory fsync on Windows
+        return
+    _fsync_path(path)
+
+
+def fsync_tree(path: str) -> int:
+    """Make everything written under the directory ``path`` durable: ``fsync`` every regular file in it
+    (any depth; symbolic links are skipped), then every directory, deepest first and ``path`` last, so
+    that the data and the names of all files are on the disk once this returns. Returns the number of
+    files and directories synced. An error of ``fsync`` is raised (the bytes may not be on the disk)
+    unless the filesystem does not support it (:data:`FSYNC_UNSUPPORTED`, warned once).
+
+    ``fsync`` acts on the file, not on the process that wrote it: one process can make the files that other
+    processes of the same machine wrote (e.g. other ranks' shards) durable, once they have closed them."""
+    count = 0
+    for folder, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            file = os.path.join(folder, name)
+            if os.path.islink(file) or not os.path.isfile(file):
+                continue
+            _fsync_path(file)
+            count += 1
+        fsync_dir(folder)
+        count += 1
+    return count
+
+
 class AtomicCheckpointMixin(TrainerHooksMixin):
     """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``): checkpoints are written into a
     staging folder and renamed to ``checkpoint-<step>`` only once complete, and older checkpoints are
     rotated away (``save_total_limit``) only after the new one is in place. A process killed while
     saving leaves at most a ``.incomplete-checkpoint-<step>`` folder, which resuming ignores and the next
-    save removes.
+    save removes. Before the rename, the saving process fsyncs every file and directory of the checkpoint
+    (:func:`fsync_tree`, after every process finished writing its part) and the staging folder; after it,
+    the folder that holds the checkpoints, so a power loss leaves either no ``checkpoint-<step>`` or a
+    complete one.
 
     Subclasses that store more state in a checkpoint override :meth:`write_extra_checkpoint_state`.
     """
@@ -159,10 +230,17 @@ class AtomicCheckpointMixin(TrainerHooksMixin):
         if args.should_save:
             final = os.path.join(run_dir, name)
             old = os.path.join(run_dir, STAGING_PREFIX + "old-" + name)
+            if FSYNC_CHECKPOINTS:
+                # Every process has written its part (the barrier above): make all of it durable, and
+                # the staging folder's entry for it, before the rename can make it look complete.
+                fsync_tree(os.path.join(staging, name))
+                fsync_dir(staging)
             if os.path.exists(final):  # the same step saved again (e.g. an interrupt right after a save)
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
             os.replace(os.path.join(staging, name), final)
+            if FSYNC_CHECKPOINTS:
+                fsync_dir(run_dir)  # the rename itself
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(old, ignore_errors=True)
             state = self.state  # type: ignore[attr-defined]

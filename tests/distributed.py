@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from file_syncs import can_record, record_file_syncs
 from transformers import TrainerCallback
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -445,9 +446,10 @@ def train_and_report(
     Returns:
         the digests and logs above, ``metrics_before``/``metrics`` (eval before and after),
         ``world_size``, ``torch_world_size``, ``distributed_type``, ``zero_stage``, ``global_step``,
-        ``updates_run`` (by this launch), ``interrupted`` (``train()`` stopped on a signal) and
-        ``train_seconds``. Every step is a collective under
-        ZeRO-3: call it on every rank.
+        ``updates_run`` (by this launch), ``interrupted`` (``train()`` stopped on a signal),
+        ``train_seconds`` and ``file_syncs`` (this rank's ``os.fsync``/``os.replace`` calls during
+        ``train()``, see tests/file_syncs.py; empty where they cannot be recorded). Every step is a
+        collective under ZeRO-3: call it on every rank.
     """
     import torch
 
@@ -460,8 +462,10 @@ def train_and_report(
     }
     result["metrics_before"] = trainer.evaluate()
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=cli.resume_from_checkpoint)
+    with record_file_syncs() if can_record() else contextlib.nullcontext([]) as file_syncs:
+        trainer.train(resume_from_checkpoint=cli.resume_from_checkpoint)
     result["train_seconds"] = time.perf_counter() - started
+    result["file_syncs"] = file_syncs
     result["metrics"] = trainer.evaluate()
     if cli.save_model:
         trainer.save_model(f"{cli.output_dir}/final")

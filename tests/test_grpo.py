@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from resume_checks import assert_resumed_like_uninterrupted, resume_from_each
 from transformers import TrainerCallback
 
 from rlhf_trainers import GRPOConfig, GRPOTrainer
@@ -370,6 +371,48 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(kit, tmp_path
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key)
     assert torch.equal(_digest(full.policy), _digest(resumed.policy))
+
+
+class SaveAt(TrainerCallback):
+    """Save a checkpoint after Trainer step ``step`` too (besides what ``save_strategy`` saves)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+        return control
+
+
+@pytest.mark.parametrize("length", ["max_steps", "total_episodes"])
+def test_resume_at_the_end_of_a_pass_over_the_prompts_and_within_the_next(kit, tmp_path, length):
+    """Issue #25: 16 prompts, 4 per generation (16 completions), each generation 2 x 2 optimizer steps
+    (steps_per_generation 2, num_iterations 2), so a pass over the prompts is 4 generations = 16 Trainer
+    steps and the run 10 generations = 40 steps. save_strategy="epoch" writes checkpoint-16 at the end of
+    the first pass; checkpoint-24 (within the second) is asked for by a callback. Each resumed run trains
+    the remaining generations and logs what the uninterrupted run logged, ending with its weights."""
+    settings = {
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "steps_per_generation": 2,
+        "num_iterations": 2,
+        "beta": 0.04,
+        "save_strategy": "epoch",
+        "logging_steps": 4,
+        "seed": 5,
+        **({"max_steps": 40} if length == "max_steps" else {"max_steps": -1, "total_episodes": 150}),
+    }
+
+    def build(root, callbacks=None):  # the uninterrupted run saves at step 24 too
+        return _trainer(kit, root, train_n=16, callbacks=callbacks or [SaveAt(24)], **settings)
+
+    full, resumed = resume_from_each(build, tmp_path, checkpoints=(16, 24))
+    assert (full.updates_per_data_epoch, full.num_updates, full.state.global_step) == (4, 10, 40)
+    for step, (trainer, seen) in resumed.items():
+        assert seen.steps == (40 - step) // 4, (step, seen.steps)  # on_step_end once per generation
+        assert seen.epochs == [("begin", step), ("end", 32), ("begin", 32), ("end", 40)], seen.epochs
+        assert_resumed_like_uninterrupted(full, trainer, step)
 
 
 # ---- TRL's interface and batch semantics -----------------------------------------------------------

@@ -32,6 +32,7 @@ import json
 from pathlib import Path
 
 import distributed
+import file_syncs
 import pytest
 import torch
 from distributed import (
@@ -124,6 +125,16 @@ def test_learns_keeps_ranks_identical_and_saves(kit, runs, start_digests, mode):
     assert state["global_step"] == SAVE_STEPS
     if mode is not None:
         assert (checkpoint / f"global_step{SAVE_STEPS * 4}").is_dir()
+    # Power loss: rank 0 fsync'ed every file of each checkpoint before renaming it into place, rank 1's
+    # too (its RNG state; its ZeRO shards under DeepSpeed), after both had written them.
+    if file_syncs.can_record():
+        for step in (SAVE_STEPS, UPDATES):
+            assert (
+                file_syncs.not_durable_before_rename(rank0["file_syncs"], run.out / f"checkpoint-{step}")
+                == []
+            )
+        assert (checkpoint / "rng_state_1.pth").is_file()
+        assert not [e for e in run.results[1]["file_syncs"] if e[0] == "replace" and "checkpoint-" in e[2]]
 
 
 # ZeRO-2's resume from checkpoint-10 is the first launch of the interruption test below.

@@ -10,6 +10,7 @@ tests/test_ppo_distributed.py, which already trains the uninterrupted ZeRO-2 run
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -18,12 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import file_syncs  # tests/ is on sys.path under pytest
 import pytest
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer
+from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, reliability
 from rlhf_trainers.reliability import STAGING_PREFIX
 from rlhf_trainers.testing import true_reward
 
@@ -215,6 +217,44 @@ def test_a_step_with_nan_gradients_is_skipped_and_counted(kit, tmp_path):
     assert [logs[s]["train/nonfinite_steps_skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
+class SigtermAfter(TrainerCallback):
+    """Send this process SIGTERM at the end of update ``step`` (``save_on_interrupt`` then saves and stops)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_resume_inside_a_logging_window_logs_the_uninterrupted_runs_entries(kit, tmp_path):
+    """A log entry averages the updates since the previous one (logging_steps=4 here); an interruption
+    can save between two entries. The resumed run logs at step 8 the average over updates 5-8, as the
+    uninterrupted run does (the updates before the interruption included), and counts the skipped
+    non-finite step of update 2 (train/nonfinite_steps_skipped) as it does."""
+    settings = {"max_steps": 8, "logging_steps": 4, "seed": 5}
+    full = _ppo(kit, tmp_path / "full", **settings)
+    _poison_training_logits(full, lambda finished: finished == 1)
+    full.train()
+    stopped = _ppo(kit, tmp_path / "run", callbacks=[SigtermAfter(6)], **settings)
+    _poison_training_logits(stopped, lambda finished: finished == 1)
+    stopped.train()
+    assert stopped.interrupted and stopped.state.global_step == 6
+    resumed = _ppo(kit, tmp_path / "run", **settings)
+    resumed.train(resume_from_checkpoint=True)
+
+    def entries(trainer):
+        return {h["step"]: h for h in trainer.state.log_history if "objective/scores" in h}
+
+    a, b = entries(full), entries(resumed)
+    assert sorted(a) == [4, 8] and sorted(b) == [4, 8]  # the resumed state holds the entry of step 4
+    assert a[8]["train/nonfinite_steps_skipped"] == 1.0
+    for key, value in a[8].items():
+        if isinstance(value, (int, float)) and not key.startswith(TIME_KEYS):
+            assert b[8][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, value, b[8][key])
+
+
 def test_too_many_consecutive_nonfinite_steps_stop_training_with_the_causes(kit, tmp_path):
     trainer = _ppo(kit, tmp_path, max_steps=5, max_nonfinite_steps=2)
     _poison_training_logits(trainer, lambda finished: True)
@@ -333,6 +373,90 @@ def test_checkpoints_appear_only_complete_and_rotation_waits_for_the_new_one(kit
         assert not [n for n in listing if n.startswith(STAGING_PREFIX)], listing
         assert len([n for n in listing if n.startswith("checkpoint-")]) <= 2, listing
     assert (out / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+@pytest.mark.skipif(not file_syncs.can_record(), reason="needs /proc/self/fd to name fsync'ed files")
+def test_every_file_and_folder_of_a_checkpoint_is_fsynced_before_the_rename(kit, tmp_path, monkeypatch):
+    """Power loss: the checkpoint's files (weights, value model in a subfolder, optimizer, RNG, trainer and
+    on-policy state) and folders are fsync'ed in staging, then renamed, then the rename is fsync'ed; so the
+    rename cannot reach the disk before the bytes it makes look complete. Without the fsyncs the same
+    record check fails (the check can fail)."""
+    out = tmp_path / "out"
+    with file_syncs.record_file_syncs() as events:
+        trainer = _ppo(kit, tmp_path, max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1)
+        trainer.train()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", "."))) == ["checkpoint-2"]
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "value_model" / "model.safetensors").is_file()
+    assert file_syncs.not_durable_before_rename(events, checkpoint) == []
+    replaced = [i for i, e in enumerate(events) if e[0] == "replace" and e[2].endswith("checkpoint-1")]
+    assert len(replaced) == 1  # checkpoint-1 was made durable the same way before it was rotated away
+    assert any(
+        e[0] == "fsync" and e[1].endswith("checkpoint-1/trainer_state.json") for e in events[: replaced[0]]
+    )
+
+    # RewardTrainer saves through transformers.Trainer's own loop, into the same staging.
+    reward = RewardTrainer(
+        model=str(kit.model_path("llama-sft")),
+        args=RewardConfig(
+            output_dir=str(tmp_path / "rm"),
+            per_device_train_batch_size=8,
+            max_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            report_to="none",
+            use_cpu=True,
+            max_length=64,
+            disable_tqdm=True,
+        ),
+        train_dataset=kit.preference_dataset("train", n=8),
+    )
+    with file_syncs.record_file_syncs() as events:
+        reward.train()
+    assert file_syncs.not_durable_before_rename(events, tmp_path / "rm" / "checkpoint-1") == []
+
+    monkeypatch.setattr(reliability, "FSYNC_CHECKPOINTS", False)
+    with file_syncs.record_file_syncs() as events:
+        _ppo(kit, tmp_path / "unsynced", max_steps=1, save_strategy="steps", save_steps=1).train()
+    missing = file_syncs.not_durable_before_rename(events, tmp_path / "unsynced" / "out" / "checkpoint-1")
+    assert "trainer_state.json not fsync'ed before the rename" in missing
+
+
+@pytest.mark.skipif(not file_syncs.can_record(), reason="needs /proc/self/fd to name fsync'ed files")
+def test_fsync_tree_syncs_every_file_and_folder_deepest_first(tmp_path, monkeypatch):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("x.bin", "a/y.json", "a/b/z.pt"):
+        (tmp_path / name).write_bytes(b"1")
+    (tmp_path / "link").symlink_to(tmp_path / "x.bin")
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    assert reliability.fsync_tree(str(tmp_path)) == 6  # 3 files, 3 folders; the symlink is skipped
+    root = os.path.realpath(tmp_path)
+    expected = {os.path.join(root, p) for p in ("x.bin", "a/y.json", "a/b/z.pt", "a", "a/b")} | {root}
+    assert set(synced) == expected and len(synced) == 6
+    assert synced[-1] == root  # the top folder last, after everything in it
+    assert synced.index(os.path.join(root, "a/b")) < synced.index(os.path.join(root, "a"))
+
+
+@pytest.mark.parametrize(
+    ("code", "raised"), [(errno.EINVAL, False), (errno.ENOTSUP, False), (errno.EIO, True)]
+)
+def test_fsync_tree_goes_on_where_fsync_is_unsupported_and_raises_a_write_error(
+    tmp_path, monkeypatch, code, raised
+):
+    (tmp_path / "x.bin").write_bytes(b"1")
+
+    def failing(fd):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", failing)
+    monkeypatch.setattr(reliability, "_fsync_unsupported_warned", False)
+    if raised:  # the bytes may not have reached the disk: the save must fail
+        with pytest.raises(OSError, match=os.strerror(code)):
+            reliability.fsync_tree(str(tmp_path))
+    else:  # a filesystem without fsync (some FUSE/network ones): nothing to make durable, the save goes on
+        assert reliability.fsync_tree(str(tmp_path)) == 2
 
 
 def test_save_on_interrupt_false_keeps_the_default_handlers(kit, tmp_path):

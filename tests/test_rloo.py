@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from resume_checks import assert_resumed_like_uninterrupted, resume_from_each
 from transformers import TrainerCallback
 
 from rlhf_trainers import PPOConfig, RLOOConfig, RLOOTrainer
@@ -311,6 +312,42 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(kit, tmp_path
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key, a[key], b[key])
     assert torch.equal(_digest(full.policy), _digest(resumed.policy))
+
+
+#: Three ways to ask for the same run of 10 updates (8 completions each, 2.5 passes over 16 prompts).
+RUN_LENGTHS = {
+    "max_steps": {"max_steps": 10},
+    "total_episodes": {"max_steps": -1, "total_episodes": 76},  # ceil(76 / 8) updates
+    "num_train_epochs": {"max_steps": -1, "num_train_epochs": 2.5},  # 2.5 x 16 prompts x rloo_k 2
+}
+
+
+@pytest.mark.parametrize("length", list(RUN_LENGTHS))
+def test_resume_at_the_end_of_a_pass_over_the_prompts_and_within_the_next(kit, tmp_path, length):
+    """Issue #25: 16 prompts, 4 per update, so a pass over the prompts is 4 updates and the run 10.
+    Resumed from checkpoint-4 (the end of the first pass: the next update starts a new permutation of the
+    prompts) and from checkpoint-6 (within the second pass), each resumed run trains the 6 and 4 remaining
+    updates and logs, update by update, what the uninterrupted run logged, ending with its weights."""
+    settings = {
+        "per_device_train_batch_size": 8,
+        "rloo_k": 2,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "logging_steps": 1,
+        "seed": 5,
+        **RUN_LENGTHS[length],
+    }
+
+    def build(root, callbacks=None):
+        return _trainer(kit, root, train_n=16, callbacks=callbacks, **settings)
+
+    full, resumed = resume_from_each(build, tmp_path, checkpoints=(4, 6))
+    assert (full.updates_per_data_epoch, full.num_updates, full.state.global_step) == (4, 10, 10)
+    for step, (trainer, seen) in resumed.items():
+        assert seen.steps == 10 - step, (step, seen.steps)
+        # A pass entered in its middle opens with on_epoch_begin too (as Trainer does for a resumed epoch).
+        assert seen.epochs == [("begin", step), ("end", 8), ("begin", 8), ("end", 10)], seen.epochs
+        assert_resumed_like_uninterrupted(full, trainer, step)
 
 
 # ---- models ---------------------------------------------------------------------------------------

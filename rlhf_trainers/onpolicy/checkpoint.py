@@ -49,10 +49,23 @@ class CheckpointMixin:
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def write_extra_checkpoint_state(self, folder: str) -> None:
-        """The KL controller's state and the update count, in ``onpolicy_state.json``."""
+        """In ``onpolicy_state.json``: the KL controller's state, the update count, the metrics of the
+        updates since the last log entry (a checkpoint written between two entries, e.g. on an
+        interruption, hands them to the resumed run's next entry, which then averages the same updates as
+        an uninterrupted run's), and the non-finite step counts (``train/nonfinite_steps_skipped`` and
+        the consecutive ones that ``max_nonfinite_steps`` limits)."""
         if self.args.should_save:
             path = os.path.join(folder, ONPOLICY_STATE_FILE)
-            state = {"kl_controller": self.kl_ctl.state_dict(), "global_step": self.state.global_step}
+            guard = self._reliability.guard
+            state = {
+                "kl_controller": self.kl_ctl.state_dict(),
+                "global_step": self.state.global_step,
+                "pending_logs": {
+                    name: [v if isinstance(v, int) else float(v) for v in values]
+                    for name, values in self._log_buffer.items()
+                },
+                "nonfinite_steps": {"skipped": guard.skipped, "consecutive": guard.consecutive},
+            }
             with open(path, "w") as fh:
                 json.dump(state, fh, indent=2)
 
@@ -68,6 +81,14 @@ class CheckpointMixin:
         with open(path) as fh:
             state = json.load(fh)
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        # (checkpoints of older versions hold neither: the run then logs as it did before)
+        self._log_buffer.clear()
+        for name, values in state.get("pending_logs", {}).items():
+            self._log_buffer[name].extend(values)
+        counts = state.get("nonfinite_steps")
+        if counts:
+            guard = self._reliability.guard
+            guard.skipped, guard.consecutive = int(counts["skipped"]), int(counts["consecutive"])
 
     def load_weights_from_checkpoint(self, checkpoint: str, model: nn.Module | None = None) -> None:
         """Load the policy (full weights or PEFT adapter) and value model saved by :meth:`write_model`."""

@@ -174,6 +174,7 @@ class OnPolicyTrainer(
             else F.FixedKLController(args.kl_coef)
         )
         self._log_buffer: dict[str, list[float]] = defaultdict(list)
+        self._pass_open = False
         self._ratio_warned = False
         #: True when the last train() stopped early on SIGTERM/SIGINT (``save_on_interrupt``).
         self.interrupted = False
@@ -921,6 +922,7 @@ class OnPolicyTrainer(
             self.evaluate()
         last_metrics: dict[str, float] = {}
         policy_losses: list[float] = []
+        self._pass_open = False  # on_epoch_begin heard for the pass this call trains in
         while self.state.global_step < self.num_updates * steps and not self.control.should_training_stop:
             last_metrics = self._training_step(model, sample_every)
             if "loss/policy_avg" in last_metrics:
@@ -944,12 +946,14 @@ class OnPolicyTrainer(
         Trainer's *epoch* is here a pass over the prompts (``updates_per_data_epoch`` updates): the
         callbacks hear ``on_epoch_begin`` and ``on_epoch_end`` at its boundaries, so the "epoch"
         strategies (``eval_strategy``, ``save_strategy``, ``logging_strategy``) act at the end of each
-        pass, and, as in ``Trainer``, at the end of a run that stops within one."""
+        pass, and, as in ``Trainer``, at the end of a run that stops within one. A run resumed within a
+        pass hears ``on_epoch_begin`` at its first update, as ``Trainer`` calls it for a resumed epoch."""
         args = self.args
         steps = self.steps_per_update
         update = self.state.global_step // steps
-        if update % self.updates_per_data_epoch == 0:
+        if update % self.updates_per_data_epoch == 0 or not self._pass_open:
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            self._pass_open = True
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         lr = compat.get_learning_rate(self)  # the rate this update trains with (its first step's)
         metrics = self._update(model, update)
@@ -970,6 +974,7 @@ class OnPolicyTrainer(
             self._act_on_crossed_steps(self.state.global_step - steps, self.state.global_step)
         if done % self.updates_per_data_epoch == 0 or self.control.should_training_stop:
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._pass_open = False
         self._log_save_evaluate(model)
         return metrics
 
