@@ -44,9 +44,13 @@ def rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(trainer_name: str, updates: int, save_steps: int, seed: int, progress: int = 0) -> dict:
+def run(
+    trainer_name: str, updates: int, save_steps: int, seed: int, progress: int = 0, vllm: bool = False
+) -> dict:
     """Train ``updates`` updates and return the per-update RSS and timings (an RSS line on stderr every
-    ``progress`` updates when > 0)."""
+    ``progress`` updates when > 0). ``vllm``: the on-policy trainers generate with a colocated vLLM engine
+    (``use_vllm=True``, weights synced every update) from the kit's vLLM-compatible Llama
+    (``llama-hd32-sft``: vLLM's CPU attention refuses the tiny Llama's head size 16)."""
     from transformers import PrinterCallback, TrainerCallback
     from transformers.utils import logging as hf_logging
 
@@ -65,6 +69,8 @@ def run(trainer_name: str, updates: int, save_steps: int, seed: int, progress: i
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     kit = get_kit()
+    policy = "llama-hd32-sft" if vllm else "llama-sft"
+    engine = {"use_vllm": True, "vllm_kv_cache_space_gib": 1} if vllm else {}
     samples: list[float] = []
     times: list[float] = []
 
@@ -105,9 +111,11 @@ def run(trainer_name: str, updates: int, save_steps: int, seed: int, progress: i
             )
         elif trainer_name == "grpo":
             trainer = GRPOTrainer(
-                model=kit.load_model("llama-sft"),
+                model=kit.load_model(policy),
                 processing_class=kit.load_tokenizer(),
-                args=GRPOConfig(output_dir=tmp, num_generations=2, max_completion_length=8, **common),
+                args=GRPOConfig(
+                    output_dir=tmp, num_generations=2, max_completion_length=8, **common, **engine
+                ),
                 train_dataset=kit.prompt_dataset("train", n=512),
                 reward_funcs=true_reward,
                 callbacks=[Probe()],
@@ -125,9 +133,10 @@ def run(trainer_name: str, updates: int, save_steps: int, seed: int, progress: i
                 num_sample_generations=0,
                 **common,
                 **extra,
+                **engine,
             )
             trainer = trainer_class(
-                model=kit.load_model("llama-sft"),
+                model=kit.load_model(policy),
                 processing_class=kit.load_tokenizer(),
                 args=args,
                 train_dataset=kit.prompt_dataset("train", n=512),
@@ -156,15 +165,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     parser.add_argument("--tag", default="", help="suffix of the result file's name (e.g. the machine: cpu)")
     parser.add_argument("--progress", type=int, default=0, help="print the RSS every N updates (0: never)")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="PPO/RLOO/GRPO generate with a colocated vLLM engine (run in the vLLM environment, see docs)",
+    )
     args = parser.parse_args()
+    if args.vllm and args.trainer == "reward":
+        parser.error("--vllm applies to the on-policy trainers (ppo, rloo, grpo), not to reward")
     import torch
 
     torch.set_num_threads(args.threads)
     start = time.time()
-    result = run(args.trainer, args.updates, args.save_steps, args.seed, args.progress)
+    result = run(args.trainer, args.updates, args.save_steps, args.seed, args.progress, args.vllm)
     summary = summarize(result["rss_mib"])
     report = {
         "trainer": args.trainer,
+        "vllm": args.vllm,
         "updates": args.updates,
         "save_steps": args.save_steps,
         **summary,
@@ -180,10 +197,11 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"long_run_memory_{args.trainer}{'_' + args.tag if args.tag else ''}.json"
+    name = args.trainer + ("_vllm" if args.vllm else "")
+    path = out / f"long_run_memory_{name}{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(report, indent=1))
     print(
-        f"{args.trainer}: {args.updates} updates, peak RSS first half {summary['first_half_peak_mib']:.1f} MiB, "
+        f"{name}: {args.updates} updates, peak RSS first half {summary['first_half_peak_mib']:.1f} MiB, "
         f"second half {summary['second_half_peak_mib']:.1f} MiB, ratio {summary['ratio']:.4f}; wrote {path}"
     )
 

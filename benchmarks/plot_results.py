@@ -250,7 +250,8 @@ def table_long_run_memory() -> str:
     ]
     for name, d in runs:
         rows.append(
-            f"| `{name}` | {_trainer_name(d['trainer'])} | {d.get('machine', {}).get('cpus', 'n/a')} | {d['updates']} | "
+            f"| `{name}` | {_trainer_name(d['trainer'])}{' (vLLM)' if d.get('vllm') else ''} | "
+            f"{d.get('machine', {}).get('cpus', 'n/a')} | {d['updates']} | "
             f"{d['save_steps']} | {d['first_half_peak_mib']:.1f} | {d['second_half_peak_mib']:.1f} | "
             f"{d['ratio']:.4f} | {d['median_seconds_per_update']:.3f} |"
         )

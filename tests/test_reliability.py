@@ -485,7 +485,8 @@ def test_reliability_fields_are_validated():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kind", "updates", "save_steps"), [("ppo", 120, 20), ("rloo", 60, 15), ("reward", 100, 20)]
+    ("kind", "updates", "save_steps"),
+    [("ppo", 120, 20), ("rloo", 60, 15), ("grpo", 100, 20), ("reward", 100, 20)],
 )
 def test_memory_does_not_grow_over_a_run(kind, updates, save_steps, tmp_path):
     """A shorter form of benchmarks/long_run_memory.py (1,000 updates, within 5 %) for each trainer: 60-120

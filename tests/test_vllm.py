@@ -309,6 +309,41 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(kit, tmp_path
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
 
 
+# ---- memory over a run ----------------------------------------------------------------------------
+
+
+def test_memory_does_not_grow_over_a_run_with_vllm(tmp_path):
+    """A shorter form of ``benchmarks/long_run_memory.py --vllm`` (200 updates, within 5 %): 60 RLOO updates
+    that sync the weights into the engine and generate with it every update, a checkpoint every 15; the
+    second half's peak RSS within 10 % of the first half's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "long_run_memory.py"
+    cmd = [
+        sys.executable,
+        str(script),
+        "--trainer",
+        "rloo",
+        "--vllm",
+        "--updates",
+        "60",
+        "--save-steps",
+        "15",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "long_run_memory_rloo_vllm.json").read_text())
+    assert report["vllm"] and len(report["rss_mib"]) == 60
+    assert report["ratio"] < 1.10, report
+
+
 # ---- several processes -----------------------------------------------------------------------------
 
 
