@@ -71,7 +71,9 @@ class ReliabilityArguments:
         metadata={
             "help": "On SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) during train(): finish the current "
             "step, write a checkpoint, and return from train() cleanly; train(resume_from_checkpoint=True) "
-            "continues from it. A second signal stops at once. False keeps Python's default behaviour."
+            "continues from it. A second signal stops at once. False keeps Python's default behaviour. Also: "
+            "when the generation backend fails mid-run (e.g. the vLLM engine dies or drops requests), a "
+            "single-process run writes a checkpoint of the last complete update before the error is raised."
         },
     )
     max_nonfinite_steps: int = field(

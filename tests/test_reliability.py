@@ -459,6 +459,68 @@ def test_fsync_tree_goes_on_where_fsync_is_unsupported_and_raises_a_write_error(
         assert reliability.fsync_tree(str(tmp_path)) == 2
 
 
+class _FailGenerationAfter(TrainerCallback):
+    """From optimizer step ``step`` on, the trainer's generation backend answers every call with ``answer``:
+    an exception to raise, or a callable taking the real samples that returns broken ones."""
+
+    def __init__(self, step, answer):
+        self.step, self.answer, self.trainer = step, answer, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        backend = self.trainer.generation_backend
+        sample = backend.sample
+
+        def broken(*a, **k):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer(sample(*a, **k))
+
+        backend.sample = broken
+
+
+def test_a_generation_failure_saves_the_last_complete_update_and_names_it(kit, tmp_path):
+    """A generation backend that fails mid-run (what the vLLM engine raises when it dies) ends train() with
+    its error plus where the last complete update was saved (save_strategy='no' notwithstanding); a resumed
+    run trains the remaining updates from that checkpoint. With save_on_interrupt=False nothing is saved."""
+    from rlhf_trainers.generation import GenerationError
+
+    failure = _FailGenerationAfter(2, GenerationError("the engine died (simulated)"))
+    trainer = _ppo(kit, tmp_path, callbacks=[failure], max_steps=4)
+    failure.trainer = trainer
+    with pytest.raises(
+        GenerationError, match=r"(?s)engine died.*step 2.*checkpoint-2.*resume_from_checkpoint"
+    ):
+        trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "trainer_state.json").is_file()
+    resumed = _ppo(kit, tmp_path, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+
+    failure = _FailGenerationAfter(1, GenerationError("the engine died (simulated)"))
+    trainer = _ppo(kit, tmp_path / "off", callbacks=[failure], save_on_interrupt=False)
+    failure.trainer = trainer
+    with pytest.raises(GenerationError, match=r"No checkpoint was written \(save_on_interrupt=False\)"):
+        trainer.train()
+    assert not (tmp_path / "off" / "out").exists() or not any((tmp_path / "off" / "out").iterdir())
+
+
+def test_a_backend_returning_fewer_rows_is_an_error(kit, tmp_path):
+    """Samples short of the prompts' rows (an engine that dropped requests) stop the run with an error
+    naming the shapes, before a short batch reaches the advantages."""
+    from dataclasses import replace
+
+    from rlhf_trainers.generation import GenerationError
+
+    failure = _FailGenerationAfter(1, lambda samples: replace(samples, tokens=samples.tokens[:-1]))
+    trainer = _ppo(kit, tmp_path, callbacks=[failure])
+    failure.trainer = trainer
+    with pytest.raises(GenerationError, match=r"(?s)completions of shape \(7, 8\) for 8 prompts.*step 1"):
+        trainer.train()
+
+
 def test_save_on_interrupt_false_keeps_the_default_handlers(kit, tmp_path):
     before = signal.getsignal(signal.SIGINT)
     seen = []

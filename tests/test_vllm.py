@@ -309,6 +309,92 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(kit, tmp_path
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
 
 
+# ---- faults ---------------------------------------------------------------------------------------
+
+
+def test_an_interrupted_weight_sync_is_redone_in_full(kit, tmp_path, monkeypatch):
+    """A sync that fails half-way (here: the weight stream raises after half of the tensors) is an error
+    naming the sync, and the engine never samples from the mix of old and new weights it was left with: the
+    next generation syncs every weight again, after which vLLM scores like the trainer's forward."""
+    from rlhf_trainers.generation import GenerationError, vllm_colocated
+
+    trainer = _trainer(kit, tmp_path, learning_rate=3e-2, max_steps=1)
+    tok = kit.load_tokenizer()
+    prompt = tok("the movie was", add_special_tokens=False)["input_ids"]
+    completion = tok(" really great and warm .", add_special_tokens=False)["input_ids"]
+    backend = trainer.generation_backend
+    before = backend.completion_logprobs([prompt], [completion])[0]
+    trainer.train()  # the policy moved; the engine still holds the weights of before
+    assert backend.is_stale()
+
+    streamed = []
+    full_stream = vllm_colocated.inference_weights
+
+    def half_then_fail(model):
+        weights = list(full_stream(model))
+        for name, tensor in weights[: len(weights) // 2]:
+            streamed.append(name)
+            yield name, tensor
+        raise OSError("the connection to the engine dropped")
+
+    monkeypatch.setattr(vllm_colocated, "inference_weights", half_then_fail)
+    query = torch.tensor([prompt])
+    with pytest.raises(GenerationError, match=r"(?s)while syncing the policy's weights.*dropped"):
+        trainer._generate(query, torch.ones_like(query))
+    assert streamed and backend.is_stale()  # half of the weights went in; the engine still counts as stale
+    monkeypatch.setattr(vllm_colocated, "inference_weights", full_stream)
+    after = backend.completion_logprobs([prompt], [completion])[0]
+    torch.testing.assert_close(after, _forward_logprobs(trainer, prompt, completion), atol=1e-4, rtol=0)
+    assert (after - before).abs().max() > 1e-2
+
+
+def test_an_engine_dying_mid_run_saves_the_last_complete_update(kit, tmp_path):
+    """vLLM failing at the third update's generation: the error names the engine and the cause, the second
+    update is in checkpoint-2 (save_strategy='no' notwithstanding: save_on_interrupt), and a resumed run
+    trains the remaining updates from it."""
+    from transformers import TrainerCallback
+
+    from rlhf_trainers.generation import GenerationError
+
+    class KillEngineAfter(TrainerCallback):
+        def __init__(self, step):
+            self.step = step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == self.step:
+
+                def dead(*args, **kwargs):
+                    raise RuntimeError("EngineCore encountered an issue (simulated: worker killed)")
+
+                trainer.generation_backend.llm.generate = dead
+
+    settings = {"max_steps": 4, "learning_rate": 5e-3, "seed": 3}
+    trainer = _trainer(kit, tmp_path, callbacks=[KillEngineAfter(2)], **settings)
+    with pytest.raises(GenerationError) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert "vLLM engine failed while generating" in message and "worker killed" in message
+    assert "step 2" in message and "resume_from_checkpoint" in message
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "trainer_state.json").is_file()
+    resumed = _trainer(kit, tmp_path, **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+
+
+def test_fewer_completions_than_prompts_is_an_error(kit, tmp_path):
+    """An engine that answers fewer requests than it was sent (it dropped some) is an error naming what was
+    asked and returned, not a batch silently short of rows; nothing completed, so nothing is saved."""
+    from rlhf_trainers.generation import GenerationError
+
+    trainer = _trainer(kit, tmp_path, max_steps=1)
+    llm = trainer.generation_backend.llm
+    generate = llm.generate
+    llm.generate = lambda *args, **kwargs: generate(*args, **kwargs)[:-1]
+    with pytest.raises(GenerationError, match=r"(?s)returned 7 completions for 8 prompts.*nothing to save"):
+        trainer.train()
+
+
 # ---- memory over a run ----------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ docs/generation.md.
 
 from __future__ import annotations
 
-from .base import GenerationBackend, Samples, SamplingSettings
+from .base import GenerationBackend, GenerationError, Samples, SamplingSettings, check_samples
 from .builtin import BuiltinSampling, FastDecodingSteps, FastStepsProvider, sample_with_kv_cache
 from .factory import GENERATION_LOOPS, make_generation_backend
 from .transformers_generate import TransformersGenerate, generation_config_set_aside
@@ -22,9 +22,11 @@ __all__ = [
     "FastDecodingSteps",
     "FastStepsProvider",
     "GenerationBackend",
+    "GenerationError",
     "Samples",
     "SamplingSettings",
     "TransformersGenerate",
+    "check_samples",
     "generation_config_set_aside",
     "make_generation_backend",
     "sample_with_kv_cache",

@@ -11,7 +11,15 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["ContextFactory", "GenerationBackend", "Samples", "SamplingSettings", "filtered_scores"]
+__all__ = [
+    "ContextFactory",
+    "GenerationBackend",
+    "GenerationError",
+    "Samples",
+    "SamplingSettings",
+    "check_samples",
+    "filtered_scores",
+]
 
 #: Called before every ``sample`` call for the context the sampling runs in (e.g. ZeRO-3 gathering).
 ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -96,6 +104,35 @@ class Samples:
     #: (B, max_new_tokens) float32 entropy of that distribution at each step; 0 after a row's stop token.
     #: None unless ``return_logprobs``.
     entropy: torch.Tensor | None = None
+
+
+class GenerationError(RuntimeError):
+    """A generation backend failed: its engine could not run (e.g. vLLM's engine died, or a weight sync into it
+    failed) or it returned something other than one completion of ``max_new_tokens`` columns per prompt. The
+    on-policy trainers add what became of the run (the checkpoint of the last complete update) to the
+    message."""
+
+
+def check_samples(samples: Samples, rows: int, settings: SamplingSettings) -> None:
+    """Raise :class:`GenerationError` unless ``samples`` holds one completion per prompt row (``rows``) with
+    ``settings.max_new_tokens`` columns, and log-probs of the same shape when they were asked for."""
+    expected = (rows, settings.max_new_tokens)
+    tokens = samples.tokens
+    if tokens.dim() != 2 or tuple(tokens.shape) != expected:
+        raise GenerationError(
+            f"The generation backend returned completions of shape {tuple(tokens.shape)} for {rows} prompts; "
+            f"expected {expected} (one completion of max_new_tokens={settings.max_new_tokens} columns per "
+            "prompt). Fewer rows mean the engine dropped requests."
+        )
+    if (
+        settings.return_logprobs
+        and samples.logprobs is not None
+        and tuple(samples.logprobs.shape) != expected
+    ):
+        raise GenerationError(
+            f"The generation backend returned log-probs of shape {tuple(samples.logprobs.shape)}; expected "
+            f"{expected}, the shape of its completions."
+        )
 
 
 @runtime_checkable

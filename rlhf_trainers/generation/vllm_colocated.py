@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import Samples, SamplingSettings
+from .base import GenerationError, Samples, SamplingSettings
 from .weights import inference_weights, untied_by_adapters
 
 __all__ = ["VLLM_INSTALL", "VLLMColocated", "import_vllm"]
@@ -311,6 +311,16 @@ class VLLMColocated:
             "needs a multiple of 32) and dtype here, or set use_vllm=False."
         )
 
+    def _failed(self, doing: str, err: Exception) -> GenerationError:
+        """The error for an engine that failed while ``doing`` something, after it was built. A failed weight
+        sync leaves the engine marked stale, so a later generation (after a resume, or a caller that goes on)
+        syncs every weight again first: it never samples from a mix of old and new weights."""
+        return GenerationError(
+            f"use_vllm=True: the vLLM engine failed while {doing}: {type(err).__name__}: {err}. Its weights are "
+            "synced again in full before it generates again. If the engine died (out of memory, a killed "
+            "worker), restart the run; with use_vllm=False the trainer generates without vLLM."
+        )
+
     def close(self) -> None:
         """Free the engine's worker and scheduler (at garbage collection or exit anyway); the backend cannot
         sample after it. vLLM's process-wide parallel groups and the training process group are left alone
@@ -333,6 +343,9 @@ class VLLMColocated:
             (name, tensor.to(dtype=self.dtype) if tensor.is_floating_point() else tensor)
             for name, tensor in inference_weights(self.model)
         )
+        # Until the stream is complete the engine holds a mix of old and new weights: marked as matching no
+        # version, so a sync that fails half-way is redone in full before the next generation.
+        self._synced_version = object()
         with _process_state_kept():
             self.llm.collective_rpc(_reload_in_worker, args=(weights,))
             self.llm.reset_prefix_cache()  # its keys and values came from the old weights
@@ -409,7 +422,10 @@ class VLLMColocated:
             )
         if self.sleeps:
             self.llm.wake_up()
-        self._sync_if_stale()
+        try:
+            self._sync_if_stale()
+        except Exception as err:
+            raise self._failed("syncing the policy's weights into it", err) from err
         seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
         params = [
             SamplingParams(
@@ -427,9 +443,19 @@ class VLLMColocated:
             )
             for seed in seeds
         ]
-        with _process_state_kept():
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False
+        try:
+            with _process_state_kept():
+                outputs = self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False
+                )
+        except Exception as err:
+            raise self._failed(f"generating {len(rows)} completions", err) from err
+        answered = sum(1 for output in outputs if getattr(output, "outputs", None))
+        if len(outputs) != len(rows) or answered != len(rows):
+            raise GenerationError(
+                f"use_vllm=True: the vLLM engine returned {answered} completions for {len(rows)} prompts (one "
+                "each was asked): it dropped requests. This happens when the engine runs out of KV cache or "
+                "aborts requests; raise vllm_kv_cache_space_gib (CPU) or vllm_gpu_memory_utilization (GPU)."
             )
         if self.sleeps:
             self.llm.sleep(level=1)

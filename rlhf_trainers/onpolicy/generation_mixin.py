@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..distributed import generation_context
-from ..generation import SamplingSettings, make_generation_backend
+from ..generation import GenerationError, SamplingSettings, check_samples, make_generation_backend
 
 
 class OnPolicyGenerationMixin:
@@ -108,7 +109,38 @@ class OnPolicyGenerationMixin:
             top_p=args.top_p,
             min_p=args.min_p,
         )
-        samples = self.generation_backend.sample(query, query_mask, settings)
+        try:
+            samples = self.generation_backend.sample(query, query_mask, settings)
+            check_samples(samples, query.shape[0], settings)
+        except GenerationError as err:
+            raise self._generation_failed(err) from err
         if not with_logprobs:
             return samples.tokens, None
         return samples.tokens, {"logprobs": samples.logprobs, "entropy": samples.entropy}
+
+    def _generation_failed(self, err: GenerationError) -> GenerationError:
+        """The error to raise when the generation backend failed, after saving what can be saved: with
+        ``save_on_interrupt`` (the default), in a single process, once at least one update completed, a
+        checkpoint of the last complete update (the weights the failed generation started from), so
+        ``train(resume_from_checkpoint=True)`` continues from there. Several processes cannot save here: the
+        others are still generating, and a checkpoint needs all of them."""
+        args = self.args
+        step = self.state.global_step
+        processes = self.accelerator.num_processes
+        if not args.save_on_interrupt:
+            saved = "No checkpoint was written (save_on_interrupt=False)."
+        elif step == 0:
+            saved = "No update had completed: there is nothing to save."
+        elif processes > 1:
+            saved = (
+                f"No checkpoint was written: with {processes} processes a checkpoint needs every one of them, "
+                f"and the others are still running; resume from the last one saved in {args.output_dir}."
+            )
+        else:
+            model = getattr(self, "model_wrapped", None) or self.model
+            compat.save_checkpoint(self, model)
+            saved = (
+                f"The last complete update (step {step}) was saved to {args.output_dir}/checkpoint-{step}; "
+                "train(resume_from_checkpoint=True) continues from it."
+            )
+        return GenerationError(f"{err} {saved}")
