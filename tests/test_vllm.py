@@ -71,16 +71,23 @@ def _forward_logprobs(trainer, prompt: list[int], completion: list[int]) -> torc
     return logprobs[0].float()
 
 
+def _one_step_trainer_and_completion(kit, tmp_path):
+    """An RLOO trainer whose one update moves the policy visibly (lr 3e-2), and a fixed prompt and
+    completion (token ids) to score before and after it."""
+    trainer = _trainer(kit, tmp_path, learning_rate=3e-2, max_steps=1)
+    tok = kit.load_tokenizer()
+    prompt = tok("the movie was", add_special_tokens=False)["input_ids"]
+    completion = tok(" really great and warm .", add_special_tokens=False)["input_ids"]
+    return trainer, prompt, completion
+
+
 # ---- the engine follows the policy ----------------------------------------------------------------
 
 
 def test_weight_sync_makes_vllm_score_like_the_updated_policy(kit, tmp_path):
     """After an update, vLLM's log-probs of a fixed completion equal the trainer's forward pass (fp32)
     and differ from the ones before the update: the weights reached the engine (the tied embedding too)."""
-    trainer = _trainer(kit, tmp_path, learning_rate=3e-2, max_steps=1)
-    tok = kit.load_tokenizer()
-    prompt = tok("the movie was", add_special_tokens=False)["input_ids"]
-    completion = tok(" really great and warm .", add_special_tokens=False)["input_ids"]
+    trainer, prompt, completion = _one_step_trainer_and_completion(kit, tmp_path)
     backend = trainer.generation_backend
     before_vllm = backend.completion_logprobs([prompt], [completion])[0]
     before_forward = _forward_logprobs(trainer, prompt, completion)
@@ -318,10 +325,7 @@ def test_an_interrupted_weight_sync_is_redone_in_full(kit, tmp_path, monkeypatch
     next generation syncs every weight again, after which vLLM scores like the trainer's forward."""
     from rlhf_trainers.generation import GenerationError, vllm_colocated
 
-    trainer = _trainer(kit, tmp_path, learning_rate=3e-2, max_steps=1)
-    tok = kit.load_tokenizer()
-    prompt = tok("the movie was", add_special_tokens=False)["input_ids"]
-    completion = tok(" really great and warm .", add_special_tokens=False)["input_ids"]
+    trainer, prompt, completion = _one_step_trainer_and_completion(kit, tmp_path)
     backend = trainer.generation_backend
     before = backend.completion_logprobs([prompt], [completion])[0]
     trainer.train()  # the policy moved; the engine still holds the weights of before

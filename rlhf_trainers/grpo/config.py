@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..functional import SCALE_REWARDS
-from ..onpolicy.config import OnPolicyConfig
+from ..onpolicy.config import OnPolicyConfig, named_as_given
 
 #: ``loss_type`` -> the engine's ``loss_agg_mode``. Every mode's counts cover the whole optimizer step
 #: (all micro-batches and processes), so none depends on how the batch is split; TRL's "bnpo" divides by
@@ -160,7 +160,10 @@ class GRPOConfig(OnPolicyConfig):
 
     def __post_init__(self) -> None:
         self._map_trl_names()
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as err:  # an engine field set from a TRL name: name the TRL field
+            raise named_as_given(err, self, {ours: trl for trl, ours in _ENGINE_NAMES.items()}) from err
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO's baseline is the mean of a prompt's group, "

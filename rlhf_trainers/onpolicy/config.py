@@ -21,6 +21,20 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VLLM_IS_MODES = IMPORTANCE_SAMPLING_MODES
 
 
+def named_as_given(error: ValueError, config: Any, aliases: dict[str, str]) -> ValueError:
+    """``error`` of the engine's checks, reworded when it names an engine field (``cliprange=...``) that was
+    set from an alias the user gave (TRL's ``epsilon``): the message then starts with the alias and its
+    value, so it names the field the user wrote. ``aliases`` maps engine field -> alias; only aliases that
+    were given (not None) count."""
+    message = str(error)
+    for engine, alias in aliases.items():
+        given = getattr(config, alias, None)
+        if given is not None and message.startswith(f"{engine}="):
+            reason = message.split(": ", 1)[1] if ": " in message else message
+            return ValueError(f"{alias}={given!r} (sets {engine}): {reason}")
+    return error
+
+
 @dataclass
 class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     """Fields shared by :class:`~rlhf_trainers.PPOConfig` and :class:`~rlhf_trainers.RLOOConfig`.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..onpolicy.config import OnPolicyConfig
+from ..onpolicy.config import OnPolicyConfig, named_as_given
 
 
 @dataclass
@@ -62,7 +62,10 @@ class RLOOConfig(OnPolicyConfig):
 
     def __post_init__(self) -> None:
         self._apply_trl_names()
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as err:  # a field set from a TRL 1.x name: name the TRL field
+            raise named_as_given(err, self, {ours: trl for trl, ours in TRL_NAMES.items()}) from err
         if isinstance(self.rloo_k, bool) or not isinstance(self.rloo_k, int) or self.rloo_k < 2:
             raise ValueError(
                 f"rloo_k={self.rloo_k!r}: the leave-one-out baseline needs at least 2 completions per prompt; "
