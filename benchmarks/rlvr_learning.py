@@ -1,13 +1,15 @@
-"""RLVR learning curves on the real model: SmolLM2-135M-Instruct, PPO and RLOO with LoRA, several seeds,
+"""RLVR learning curves on the real model: SmolLM2-135M-Instruct, PPO, RLOO and GRPO with LoRA, several seeds,
 held-out strict success of an :mod:`rlhf_trainers.rlvr` task against episodes.
 
 Each run is ``examples/rlvr.py`` in its own process on one torch thread (``OMP_NUM_THREADS=1``), one at a
-time, with the settings below passed as flags (the same for both trainers: 32 completions per update,
-RLOO as 8 prompts x 4); the example measures the success rate on ``--num-eval-prompts`` held-out test
-prompts (one sample each, temperature 0.7) before training and every ``--eval-every`` updates. The
-results are written after every run, so an interrupted driver keeps what it finished.
+time, with the settings below passed as flags (the same for all trainers: 32 completions per update,
+RLOO and GRPO as 8 prompts x 4, GRPO with its KL as the loss term ``beta``); the example measures the
+success rate on ``--num-eval-prompts`` held-out test prompts (one sample each, temperature 0.7) before
+training and every ``--eval-every`` updates. The results are written after every run, so an interrupted
+driver keeps what it finished.
 
-    python benchmarks/rlvr_learning.py                       # 3 seeds x {ppo, rloo}, word_count
+    python benchmarks/rlvr_learning.py --trainers rloo,ppo   # 3 seeds x {ppo, rloo}, word_count
+    python benchmarks/rlvr_learning.py --trainers grpo --keep-other-trainers   # add GRPO to that file
     python benchmarks/rlvr_learning.py --render benchmarks/results/rlvr_learning.json   # redraw the PNG
 
 Writes ``<out>/rlvr_learning.json``, ``rlvr_learning.md`` (the table) and ``rlvr_learning.png`` (mean over seeds, thick, and each seed,
@@ -31,8 +33,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TRAINERS = ("rloo", "ppo")
-COLORS = {"ppo": "tab:blue", "rloo": "tab:orange"}
+TRAINERS = ("rloo", "ppo", "grpo")
+COLORS = {"ppo": "tab:blue", "rloo": "tab:orange", "grpo": "tab:green"}
 
 
 def run_one(args: argparse.Namespace, trainer: str, seed: int, work: Path) -> dict[str, Any]:
@@ -50,13 +52,14 @@ def run_one(args: argparse.Namespace, trainer: str, seed: int, work: Path) -> di
         "--eval_steps", str(args.eval_every),
         "--num_eval_prompts", str(args.num_eval_prompts),
         "--learning_rate", str(args.learning_rate),
-        "--kl_coef", str(args.kl_coef),
         "--per_device_train_batch_size", "32",
-        "--num_mini_batches", "1",
-        "--num_ppo_epochs", "1",
         "--disable_tqdm", "true",
-        *args.extra,
     ]  # fmt: skip
+    if trainer == "grpo":  # TRL's names: the KL as its loss term, one optimizer step per generation
+        command += ["--beta", str(args.kl_coef), "--num_iterations", "1"]
+    else:
+        command += ["--kl_coef", str(args.kl_coef), "--num_mini_batches", "1", "--num_ppo_epochs", "1"]
+    command += list(args.extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -176,6 +179,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--docs-png", type=Path, default=ROOT / "docs" / "img" / "rlvr_learning.png")
     parser.add_argument("--render", type=Path, help="Redraw the PNG from this JSON and exit.")
+    parser.add_argument(
+        "--keep-other-trainers",
+        action="store_true",
+        help="Keep the runs of the trainers not run now from the existing result file (its other settings must "
+        "be the same), e.g. to add GRPO to an RLOO/PPO result.",
+    )
     parser.add_argument("extra", nargs="*", help="More flags for examples/rlvr.py (after --).")
     args = parser.parse_args()
     if args.render:
@@ -183,13 +192,23 @@ def main() -> None:
         write(result, args.render.parent, args.docs_png)
         return
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "docs_png", "render")}
+    skip = ("out", "docs_png", "render", "keep_other_trainers")
+    settings = {k: v for k, v in vars(args).items() if k not in skip}
     result: dict[str, Any] = {
         "settings": settings,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": 1},
         "runs": [],
     }
     trainers = [t for t in args.trainers.split(",") if t]
+    existing = args.out / "rlvr_learning.json"
+    if args.keep_other_trainers and existing.is_file():
+        old = json.loads(existing.read_text())
+        same = {k: v for k, v in old["settings"].items() if k != "trainers"}
+        if same != {k: v for k, v in settings.items() if k != "trainers"}:
+            parser.error(f"--keep-other-trainers: {existing} was run with other settings: {old['settings']}")
+        result["runs"] = [r for r in old["runs"] if r["trainer"] not in trainers]
+        kept = [t for t in old["settings"]["trainers"].split(",") if t not in trainers]
+        settings["trainers"] = ",".join(kept + trainers)
     with tempfile.TemporaryDirectory(prefix="rlvr-learning-") as tmp:
         for seed in (int(s) for s in args.seeds.split(",")):
             for trainer in trainers:
