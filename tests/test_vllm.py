@@ -475,6 +475,25 @@ def test_one_engine_per_process_learns_and_the_ranks_agree(tmp_path, trainer, de
 # ---- bad input ------------------------------------------------------------------------------------
 
 
+def test_an_engine_without_memory_is_refused_at_construction_naming_the_memory_settings(
+    kit, tmp_path, monkeypatch
+):
+    """vLLM failing to start for lack of memory (its KV cache does not fit; simulated, since the kit model
+    fits anywhere): the error carries vLLM's message and names the memory settings, not the head size."""
+    import vllm
+
+    def no_memory(*args, **kwargs):
+        raise ValueError("No available memory for the cache blocks. Try increasing the KV cache space.")
+
+    monkeypatch.setattr(vllm, "LLM", no_memory)
+    with pytest.raises(RuntimeError) as raised:
+        _trainer(kit, tmp_path)
+    message = str(raised.value)
+    assert "No available memory for the cache blocks" in message
+    assert "ran out of memory" in message and "vllm_kv_cache_space_gib" in message
+    assert "head size (its CPU attention" not in message
+
+
 def test_a_head_size_vllm_cannot_run_is_refused_at_construction(kit, tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)head size 16.*use_vllm=False"):
         _trainer(kit, tmp_path, model="llama-sft")

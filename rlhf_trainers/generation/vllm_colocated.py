@@ -299,16 +299,30 @@ class VLLMColocated:
             raise self._unsupported(err) from err
 
     def _unsupported(self, err: Exception) -> RuntimeError:
-        """The error for an engine that cannot be built or run for this model."""
+        """The error for an engine that cannot be built or run for this model: what was asked of it, vLLM's
+        own error, and the fix for the two kinds of cause (memory; what vLLM supports)."""
         config = getattr(self.model, "config", None)
         heads = getattr(config, "num_attention_heads", None)
         hidden = getattr(config, "hidden_size", None)
         head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+        text = f"{type(err).__name__}: {err}"
+        if isinstance(err, MemoryError) or any(
+            word in text.lower() for word in ("out of memory", "memory", "kv cache", "cannot allocate")
+        ):
+            fix = (
+                "It ran out of memory: on CPU give it a KV cache that fits next to training "
+                "(vllm_kv_cache_space_gib), on GPU a smaller share (vllm_gpu_memory_utilization, or "
+                "vllm_enable_sleep_mode=True), a shorter context (vllm_max_model_length), or set use_vllm=False."
+            )
+        else:
+            fix = (
+                "Check that vLLM supports this architecture, head size (its CPU attention needs a multiple of 32) "
+                "and dtype here, or set use_vllm=False."
+            )
         return RuntimeError(
             f"use_vllm=True: the vLLM engine cannot run {type(self.model).__name__} (head size {head_dim}, dtype "
             f"{str(self.dtype).removeprefix('torch.')}, max_model_len {self.max_model_len}) on this device: "
-            f"{type(err).__name__}: {err}. Check that vLLM supports this architecture, head size (its CPU attention "
-            "needs a multiple of 32) and dtype here, or set use_vllm=False."
+            f"{text}. {fix}"
         )
 
     def _failed(self, doing: str, err: Exception) -> GenerationError:
