@@ -440,13 +440,17 @@ def test_memory_does_not_grow_over_a_run_with_vllm(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("trainer", "deepspeed"),
-    [("rloo", None), pytest.param("ppo", "zero3", marks=pytest.mark.deepspeed)],
-    ids=["rloo-ddp", "ppo-zero3"],
+    ("trainer", "deepspeed", "lora"),
+    [
+        ("rloo", None, False),
+        ("rloo", None, True),
+        pytest.param("ppo", "zero3", False, marks=pytest.mark.deepspeed),
+    ],
+    ids=["rloo-ddp", "rloo-ddp-lora", "ppo-zero3"],
 )
-def test_one_engine_per_process_learns_and_the_ranks_agree(tmp_path, trainer, deepspeed):
+def test_one_engine_per_process_learns_and_the_ranks_agree(tmp_path, trainer, deepspeed, lora):
     """2 CPU ranks, each with its own engine synced from its own policy (ZeRO-3: the shards gathered
-    module by module): the task is learned, both ranks end with the same weights, the engines sample
+    module by module; LoRA: the adapter merged into the synced weights): the task is learned, both ranks end with the same weights, the engines sample
     from the trained weights at every update, and the launch exits cleanly (vLLM's shutdown at exit used
     to fail after the process group was torn down)."""
     from distributed import check_launch, deepspeed_available, read_rank_results, run_script
@@ -456,6 +460,8 @@ def test_one_engine_per_process_learns_and_the_ranks_agree(tmp_path, trainer, de
     updates = 15
     out = tmp_path / "run"
     args = ["--output_dir", out, "--trainer", trainer, "--max_steps", updates, "--num_eval_prompts", 64]
+    if lora:  # the adapter learns at a higher rate than full weights (tests/test_rloo_distributed.py)
+        args += ["--lora", "--learning_rate", "5e-3"]
     run_script("vllm_distributed.py", args, deepspeed=deepspeed, timeout=900)
     results = read_rank_results(out)
     check_launch(results, deepspeed, updates)

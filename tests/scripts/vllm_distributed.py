@@ -1,6 +1,6 @@
 """PPO or RLOO with ``use_vllm=True`` on N CPU ranks (DDP, or DeepSpeed ZeRO-2/3 by the accelerate config it
 is launched with): one colocated vLLM engine per rank, synced from that rank's policy (ZeRO-3: gathered
-module by module).
+module by module; ``--lora``: the adapter merged into the synced weights).
 
 Trains the offline kit's ``llama-hd32-sft`` (head size 32, which vLLM's CPU attention runs) against
 :func:`rlhf_trainers.testing.true_reward`, evaluates before and after, and writes
@@ -28,8 +28,20 @@ from rlhf_trainers.testing import get_kit, true_reward
 def main() -> None:
     parser = onpolicy_parser(__doc__.splitlines()[0])
     parser.add_argument("--trainer", choices=("ppo", "rloo"), default="rloo")
+    parser.add_argument(
+        "--lora", action="store_true", help="train a LoRA adapter (r=8 on q_proj, v_proj and lm_head)"
+    )
     cli = parse_onpolicy_args(parser)
     kit = get_kit()
+    peft_config = None
+    if cli.lora:
+        from peft import LoraConfig
+
+        # (the kit model ties its head to the embeddings: the adapter on lm_head makes the engine's head
+        # untied, and the merged weights of both reach every rank's engine)
+        peft_config = LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0
+        )
     fields = {**onpolicy_config_kwargs(cli), "use_vllm": True}
     config = RLOOConfig(**fields, rloo_k=4) if cli.trainer == "rloo" else PPOConfig(**fields)
     trainer_cls = RLOOTrainer if cli.trainer == "rloo" else PPOTrainer
@@ -40,6 +52,7 @@ def main() -> None:
         args=config,
         train_dataset=kit.prompt_dataset("train", n=512),
         eval_dataset=kit.prompt_dataset("test", n=cli.num_eval_prompts),
+        peft_config=peft_config,
     )
     result = train_and_report(
         trainer,
