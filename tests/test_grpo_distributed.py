@@ -16,10 +16,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 def test_every_loss_type_gives_the_whole_batch_gradient_on_two_processes(tmp_path):
     run_script("grpo_split_invariance.py", ["--output_dir", str(tmp_path)], timeout=900)
     for result in read_rank_results(tmp_path):
-        assert sorted(result["results"]) == sorted([*LOSS_TYPES, "dapo+token_budget"])
+        assert sorted(result["results"]) == sorted([*LOSS_TYPES, "dapo+token_budget", "dapo+balance_batch"])
         for loss_type, r in result["results"].items():
             assert r["max_abs_gradient"] > 1e-4, loss_type  # a real gradient
             assert r["relative"] < 1e-4, (loss_type, r)
+        balanced = result["results"]["dapo+balance_batch"]
+        # the generated halves were unbalanced, and rows moved to balance them
+        assert balanced["perf/token_imbalance_generated"] > balanced["perf/token_imbalance"] >= 1.0
+        assert balanced["rows_kept"] < 8, balanced
 
 
 def test_learns_on_two_processes_with_identical_weights(tmp_path):

@@ -78,6 +78,17 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "count is fixed)."
         },
     )
+    balance_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Under several processes (verl's balance_batch): after the advantages, redistribute the "
+            "update's completions so every process trains about the same number of real tokens (the same "
+            "number of completions each), instead of the completions of its own prompts; each optimizer step "
+            "then waits less for the slowest process. The update does not depend on which process trains "
+            "which completion (global loss denominators); logged as perf/token_imbalance (busiest process "
+            "over the mean, after) and perf/token_imbalance_generated (before). No effect in one process."
+        },
+    )
     local_rollout_forward_batch_size: int = field(
         default=64,
         metadata={"help": "Rows per generation / no-grad forward pass during the rollout, per process."},

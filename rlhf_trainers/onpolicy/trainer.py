@@ -43,6 +43,7 @@ from ..models import _is_peft_model, readable_pad_id
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpointMixin, reliability_callback
 from ..reward_sources import RewardSources
+from .balance import rebalance
 from .checkpoint import CheckpointMixin
 from .config import OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin
@@ -302,8 +303,19 @@ class OnPolicyTrainer(
 
         # 7. num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps
         #    micro-batches, a new shuffle every epoch; the loss is the subclass hook (compute_policy_loss).
+        #    With balance_batch (several processes), the rows first move so each process trains about as
+        #    many tokens as the others (the groups were whole for step 6; the loss is per row).
         began = time.perf_counter()
-        stats = self._optimize(model, rollout, advantages, update)
+        trained, trained_advantages, balance = rollout, advantages, {}
+        if self.args.balance_batch and self.accelerator.num_processes > 1:
+            trained, trained_advantages, balance = rebalance(
+                rollout,
+                advantages,
+                pad_token_id=self.processing_class.pad_token_id,
+                device=self.accelerator.device,
+            )
+        stats = self._optimize(model, trained, trained_advantages, update)
+        stats.update(balance)
         timings["timing/update"] += time.perf_counter() - began
 
         # 8. metrics (TRL's names, over all processes) and the KL controller, which adapts kl_coef to the

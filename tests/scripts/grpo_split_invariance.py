@@ -5,7 +5,9 @@ computes from it the gradient of the whole batch as one micro-batch (the single-
 it trains one step in which the engine sees only its half of the prompts (rank r: prompts 2r and
 2r + 1, their 8 completions), as 2 accumulated micro-batches of 4, with ``scale_rewards='batch'`` (whose
 std is all-reduced) and ``beta > 0``, and once more for ``dapo`` with micro-batches by token budget
-(``max_tokens_per_microbatch``, whose micro-batch counts differ between ranks): the gradient the optimizer receives (after DDP's average) must be
+(``max_tokens_per_microbatch``, whose micro-batch counts differ between ranks), and once with balanced
+ranks (``balance_batch``: the rows move between the ranks after the advantages): the gradient the
+optimizer receives (after DDP's average) must be
 the reference's. The optimizer step itself is skipped. Writes ``result-rank<R>.json`` with the largest
 differences, for ``tests/test_grpo_distributed.py``.
 """
@@ -22,6 +24,7 @@ from distributed import write_rank_result
 from rlhf_trainers import GRPOConfig, GRPOTrainer
 from rlhf_trainers import functional as F
 from rlhf_trainers.grpo import LOSS_TYPES
+from rlhf_trainers.onpolicy import trainer as trainer_module
 from rlhf_trainers.onpolicy.rollout import LossNormalization, Rollout
 from rlhf_trainers.testing import get_kit, true_reward
 
@@ -48,12 +51,15 @@ def gradient(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1).clone() for p in model.parameters() if p.grad is not None])
 
 
-def check(kit: Any, out: str, loss_type: str, budget: int | None = None) -> tuple[int, int, dict[str, float]]:
-    """One loss type (and micro-batch token budget): (rank, world size, the differences to the
-    single-process reference)."""
+def check(
+    kit: Any, out: str, loss_type: str, budget: int | None = None, balance: bool = False
+) -> tuple[int, int, dict[str, float]]:
+    """One loss type (and micro-batch token budget, balanced ranks): (rank, world size, the differences to
+    the single-process reference, and with ``balance`` the token imbalance before and after)."""
     args = GRPOConfig(
-        output_dir=f"{out}/{loss_type}-{budget}",
+        output_dir=f"{out}/{loss_type}-{budget}-{balance}",
         max_tokens_per_microbatch=budget,
+        balance_batch=balance,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_generations=K,
@@ -113,7 +119,20 @@ def check(kit: Any, out: str, loss_type: str, budget: int | None = None) -> tupl
         return optimizer
 
     trainer.create_optimizer = recording_optimizer  # type: ignore[method-assign]
-    trainer.train()
+    balanced: dict[str, float] = {}
+    rebalance = trainer_module.rebalance
+
+    def recording_rebalance(*a: Any, **kw: Any) -> Any:
+        rollout, advantages, metrics = rebalance(*a, **kw)
+        kept = (rollout.response[:, None, :] == half.response[None]).all(-1).any(1)  # rows it generated
+        balanced.update(metrics, rows_kept=float(kept.sum()))
+        return rollout, advantages, metrics
+
+    trainer_module.rebalance = recording_rebalance
+    try:
+        trainer.train()
+    finally:
+        trainer_module.rebalance = rebalance
     assert len(seen) == 1, len(seen)
     difference = (seen[0] - reference).abs()
     return (
@@ -123,6 +142,7 @@ def check(kit: Any, out: str, loss_type: str, budget: int | None = None) -> tupl
             "max_abs_difference": float(difference.max()),
             "max_abs_gradient": float(reference.abs().max()),
             "relative": float(difference.norm() / reference.norm()),
+            **balanced,
         },
     )
 
@@ -138,6 +158,8 @@ def main() -> None:
         rank, world, results[loss_type] = check(kit, out, loss_type)
     # micro-batches by token budget: their number depends on each rank's lengths
     rank, world, results["dapo+token_budget"] = check(kit, out, "dapo", budget=30)
+    # balanced ranks: the rows move between the processes after the advantages
+    rank, world, results["dapo+balance_batch"] = check(kit, out, "dapo", balance=True)
     write_rank_result(out, rank, {"world_size": world, "results": results})
 
 
