@@ -191,8 +191,10 @@ def _inputs(trainer):
     return ids, mask, positions, samples.response_mask[:, :end]
 
 
-def test_off_by_default_and_when_asked(kit, tmp_path):
-    trainer = test_rloo._trainer(kit, tmp_path)
+def test_on_by_default_and_off_when_asked(kit, tmp_path):
+    trainer = test_ppo._trainer(kit, tmp_path / "on")
+    assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
+    trainer = test_ppo._trainer(kit, tmp_path / "off", padding_free=False)
     assert not (trainer._pack_policy or trainer._pack_ref or trainer._pack_values)
 
 
@@ -236,3 +238,40 @@ def test_whole_runs_give_the_same_metrics_and_model(kit, tmp_path, algorithm, mo
                 assert value == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
                 compared += 1
     assert compared > 20
+
+
+def test_token_budget_counts_real_tokens_when_packed(kit, tmp_path, monkeypatch):
+    """With ``padding_free`` a ``max_tokens_per_microbatch`` budget holds each micro-batch's real tokens
+    (what the packed pass costs), and the update is still that of the fixed micro-batches."""
+    common = {
+        "max_steps": 1,
+        "max_grad_norm": 0.0,
+        "optim": "sgd",
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 4,
+        "rloo_k": 4,
+        "padding_free": True,
+        "rollout_logprobs": "forward",
+    }
+    start = test_rloo._digest(test_rloo._trainer(kit, tmp_path / "start").policy)
+    fixed = test_rloo._trainer(kit, tmp_path / "fixed", **common)
+    budget = test_rloo._trainer(kit, tmp_path / "budget", max_tokens_per_microbatch=40, **common)
+    seen: list[tuple[int, int, int]] = []
+    forward = budget._training_forward
+
+    def recording(model, rollout, rows, bounds=None):
+        first, end = bounds
+        real = int(rollout.query_mask[rows].sum() + rollout.response_mask[rows].sum())
+        seen.append((len(rows), real, (rollout.query.shape[1] - first) + end))
+        return forward(model, rollout, rows, bounds)
+
+    monkeypatch.setattr(budget, "_training_forward", recording)
+    fixed.train()
+    budget.train()
+    assert all(real <= 40 or n == 1 for n, real, _ in seen), seen
+    assert any(n * width > 40 for n, _, width in seen)  # a padded budget would have split these
+    assert sum(n for n, _, _ in seen) == 16
+    step_fixed = test_rloo._digest(fixed.policy) - start
+    step_budget = test_rloo._digest(budget.policy) - start
+    assert step_fixed.abs().max() > 1e-6
+    torch.testing.assert_close(step_budget, step_fixed, rtol=1e-3, atol=1e-8)

@@ -466,16 +466,18 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
     padding_free: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Padding-free forward passes (verl's use_remove_padding, OpenRLHF's packing_samples): the "
             "training forward pass and the rollout's policy, reference and value passes run on the real "
-            "tokens of each micro-batch packed into rows as wide as its longest sequence (position ids "
-            "restarting at 0 per sequence, attention kept within each sequence by transformers' "
-            "packed-sequence masks), and the log-probs, entropies and values are scattered back to the "
-            "padded layout. Used for each model that keeps attention within packed sequences, checked "
-            "once at construction (others, and ZeRO-3, keep the padded passes, logged). With "
-            "max_tokens_per_microbatch the budget counts real tokens. False: padded passes."
+            "tokens of each micro-batch / rollout chunk, whole sequences packed into rows as wide as its "
+            "longest one (position ids restarting at 0 per sequence, attention kept within each sequence by "
+            "transformers' packed-sequence masks, no attention mask), and the log-probs, entropies and "
+            "values are scattered back to the padded layout, so the losses are unchanged. Used for each "
+            "model that keeps attention within packed sequences, checked once at construction on a probe; "
+            "others (models whose masks ignore the position ids, flash attention), ZeRO-3 and the reward "
+            "model's scoring keep padded passes (logged). With max_tokens_per_microbatch the budget counts "
+            "real tokens. False: padded passes everywhere."
         },
     )
     ratio_tolerance: float = field(

@@ -197,11 +197,13 @@ def _backbone(model: nn.Module) -> nn.Module | None:
 
 @torch.no_grad()
 def padding_free_matches(model: nn.Module) -> bool:
-    """Whether the model keeps attention within the sequences of a packed row (position ids restarting
-    at 0, no attention mask), checked once on a probe in eval mode: two sequences packed in one row must
-    give the final hidden states each gives alone. Models whose attention masks are not built from the
-    position ids (transformers' ``create_causal_mask``) would let the second sequence attend to the first
-    and fail it; their passes stay padded."""
+    """Whether the model keeps attention within the sequences of packed rows (position ids restarting at
+    0, no attention mask), checked once on a probe in eval mode: four sequences packed two by two into two
+    rows (the layout of :func:`pack_sequences`) must give the final hidden states each gives alone.
+    Models whose attention masks are not built from the position ids (transformers' ``create_causal_mask``)
+    would let a row's second sequence attend to its first and fail it, and so does transformers' flash
+    attention, which reads packed sequences from the position ids of a single row only; their passes stay
+    padded."""
     backbone = _backbone(model)
     if backbone is None:
         return False
@@ -210,18 +212,25 @@ def padding_free_matches(model: nn.Module) -> bool:
     except StopIteration:
         return False
     rows = embedding_rows(model)
-    ids = (torch.arange(2, 11, device=device) * 7) % max(rows, 1)
-    first, second = ids[:4], ids[4:]
-    positions = torch.cat([torch.arange(4, device=device), torch.arange(5, device=device)])
+    lengths = ((4, 5), (3, 6))
+    sequences = [
+        [(torch.arange(n, device=device) * 7 + 3 * i + j + 1) % max(rows, 1) for j, n in enumerate(row)]
+        for i, row in enumerate(lengths)
+    ]
+    ids = torch.stack([torch.cat(row) for row in sequences])
+    positions = torch.stack([torch.cat([torch.arange(n, device=device) for n in row]) for row in lengths])
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        alone = torch.cat(
-            [backbone(input_ids=part[None], use_cache=False).last_hidden_state[0] for part in (first, second)]
+        alone = torch.stack(
+            [
+                torch.cat(
+                    [backbone(input_ids=seq[None], use_cache=False).last_hidden_state[0] for seq in row]
+                )
+                for row in sequences
+            ]
         )
-        packed = backbone(
-            input_ids=ids[None], position_ids=positions[None], use_cache=False
-        ).last_hidden_state[0]
+        packed = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
     except Exception:  # any failure means: keep the padded passes
         return False
     finally:
@@ -230,7 +239,7 @@ def padding_free_matches(model: nn.Module) -> bool:
     if packed.shape != alone.shape:
         return False
     # fp32 rounding is ~1e-6 of the scale, half precision's ~1e-2; attention leaking across the sequences
-    # changes the second one's states by a large fraction of it.
+    # changes the second ones' states by a large fraction of it.
     tolerance = 1e-3 if alone.dtype == torch.float32 else 3e-2
     alone, packed = alone.float(), packed.float()
     scale = float(alone.abs().max()) + 1e-6
