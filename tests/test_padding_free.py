@@ -11,12 +11,9 @@ import logging
 import pytest
 import torch
 
-from rlhf_trainers.onpolicy.forward import (
-    pack_sequences,
-    padding_free_matches,
-    sequence_inputs,
-    trim_bounds,
-)
+from rlhf_trainers.onpolicy.forward import pack_sequences, sequence_inputs, trim_bounds
+from rlhf_trainers.packing import packed_score_head, padding_free_matches
+from rlhf_trainers.reward_sources import score_ids
 from tests import test_ppo, test_rloo
 
 ARCHITECTURES = ("llama", "gpt2", "gpt_neox")
@@ -115,11 +112,25 @@ def _ppo(kit, tmp_path, arch, lora, **kwargs):
     return trainer
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora):
-    trainer = _ppo(kit, tmp_path, arch, lora)
+CASES = [(arch, lora, True) for arch in ARCHITECTURES for lora in (False, True)]
+CASES += [(arch, False, False) for arch in ARCHITECTURES]  # the logits path (fused_lm_head=False)
+
+
+@pytest.mark.parametrize(
+    ("arch", "lora", "fused"),
+    CASES,
+    ids=[f"{a}-{'lora' if lora else 'full'}-{'fused' if f else 'logits'}" for a, lora, f in CASES],
+)
+def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, monkeypatch):
+    trainer = _ppo(kit, tmp_path, arch, lora, fused_lm_head=fused)
     assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
+    assert trainer._fused_policy == fused
+    if not fused:  # the packed logits path computes the predicting positions' logits only
+        from rlhf_trainers.onpolicy import forward
+
+        calls = []
+        packed_logits = forward.packed_logits
+        monkeypatch.setattr(forward, "packed_logits", lambda m, p: calls.append(p) or packed_logits(m, p))
     with torch.no_grad():
         samples = trainer.sample_responses(trainer._prompt_batch(0), trainer.completions_per_prompt)
     samples = _with_short_responses(trainer, samples)
@@ -137,6 +148,8 @@ def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora):
         assert not got[~mask].any(), name  # zeros where no valid token is
     if lora:  # the reference (adapter disabled) is another model than the policy
         assert (packed.ref_logprobs - packed.logprobs)[mask].abs().max() > 1e-3
+    if not fused:
+        assert calls
 
     # Training forward and one backward pass; one row without valid tokens (an invalid reward).
     rollout = trainer.assemble_rollout(samples, trainer.score_samples(samples), packed)
@@ -275,3 +288,49 @@ def test_token_budget_counts_real_tokens_when_packed(kit, tmp_path, monkeypatch)
     step_budget = test_rloo._digest(budget.policy) - start
     assert step_fixed.abs().max() > 1e-6
     torch.testing.assert_close(step_budget, step_fixed, rtol=1e-3, atol=1e-8)
+
+
+def _reward_model(kit, name):
+    if name != "gpt_neox":
+        return kit.load_model(name)
+    from transformers import AutoModelForSequenceClassification
+
+    # The kit has no GPT-NeoX reward model: one from the causal model's config, with a random head.
+    config = kit.load_model("gpt_neox").config
+    config.num_labels = 1
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+@pytest.mark.parametrize("name", ["llama-seqcls", "gpt2-seqcls", "gpt_neox"])
+def test_packed_reward_scores_equal_padded_ones(kit, name):
+    model = _reward_model(kit, name).eval()
+    pad = kit.load_tokenizer().pad_token_id
+    model.config.pad_token_id = pad
+    assert packed_score_head(model) is not None and padding_free_matches(model)
+    # Rollout-shaped rows: left-padded prompts, then responses right-padded after their stop.
+    generator = torch.Generator().manual_seed(0)
+    B, Q, R = 12, 7, 10
+    ids = torch.randint(pad + 1, pad + 200, (B, Q + R), generator=generator)
+    prompt = torch.randint(1, Q + 1, (B,), generator=generator)
+    response = torch.randint(1, R + 1, (B,), generator=generator)
+    columns = torch.arange(Q + R)[None, :]
+    real = (columns >= Q - prompt[:, None]) & (columns < Q + response[:, None])
+    ids = ids.masked_fill(~real, pad)
+    packed = score_ids(model, ids, pad, batch_size=5, padding_free=True)
+    padded = score_ids(model, ids, pad, batch_size=5)
+    assert padded.std() > 1e-3  # the rows score differently
+    torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
+
+
+def test_the_trainer_scores_with_the_reward_model_packed(kit, tmp_path):
+    trainer = test_rloo._trainer(kit, tmp_path, reward_model=kit.load_model("llama-seqcls"), rloo_k=2)
+    sources = trainer.reward_sources
+    assert sources.same_tokenizer and sources.padding_free
+    with torch.no_grad():
+        samples = _with_short_responses(trainer, trainer.sample_responses(trainer._prompt_batch(0), 2))
+        packed = trainer.score_samples(samples).total
+        assert sources._pack_reward is True
+        sources._pack_reward = False
+        padded = trainer.score_samples(samples).total
+    torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)

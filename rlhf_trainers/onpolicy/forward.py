@@ -5,7 +5,7 @@ real tokens of a batch in a few rows, :func:`pack_sequences`)."""
 
 from __future__ import annotations
 
-import logging
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +14,7 @@ from torch import nn
 
 from .. import functional as F
 from ..models import _base, embedding_rows
-
-logger = logging.getLogger(__name__)
+from ..packing import pack_rows
 
 
 class PolicyAndValue(nn.Module):
@@ -123,14 +122,9 @@ def pack_sequences(
     pad_token_id: int,
 ) -> PackedSequences | None:
     """Pack the (B, Q + R) batch of :func:`sequence_inputs` (left-padded prompts, right-padded responses)
-    for a padding-free pass: the real tokens of each row that has a valid response token (``response_mask``
-    (B, R)), whole, into rows as wide as the longest of them (first-fit, longest first; the rows a
-    response has no valid token in are left out: nothing of theirs is read). None when no row has one.
-
-    Rows as wide as the longest sequence, not one row for the whole batch: without a variable-length
-    attention kernel (SDPA on CPU takes the packed layout as a dense (W, W) mask), attention costs grow with
-    the square of a row's width, and one row of a 64-sequence micro-batch measured 3x slower than the
-    padded batch on the tiny kit model, while rows of the longest sequence's width were 1.7x faster."""
+    for a padding-free pass (:func:`rlhf_trainers.packing.pack_rows`): the real tokens of each row that has
+    a valid response token (``response_mask`` (B, R)); the rows whose response has no valid token are left
+    out (nothing of theirs is read). None when no row has one."""
     B, T = input_ids.shape
     R = response_mask.shape[1]
     Q = T - R
@@ -140,36 +134,9 @@ def pack_sequences(
     if not bool(kept.any()):
         return None
     mask = mask & kept[:, None]
-    lengths = mask.sum(1)
-    width = int(lengths.max())
-    # First fit, longest first: each sequence into the first row with room for it.
-    used: list[int] = []
-    row_of = [0] * B
-    start_of = [0] * B
-    for b in torch.argsort(lengths, descending=True, stable=True).tolist():
-        n = int(lengths[b])
-        if n == 0:
-            break
-        for r, filled in enumerate(used):
-            if filled + n <= width:
-                row_of[b], start_of[b] = r, filled
-                used[r] += n
-                break
-        else:
-            row_of[b], start_of[b] = len(used), 0
-            used.append(n)
-    P = len(used)
+    rows = pack_rows(input_ids, mask, position_ids, pad_token_id)
+    dest = rows.destinations
     device = input_ids.device
-    base = torch.tensor(row_of, device=device) * width + torch.tensor(start_of, device=device)
-    rank = mask.long().cumsum(1) - 1
-    dest = base[:, None] + rank  # (B, T): where each real token goes in the flat P x W layout
-    flat_ids = input_ids.new_full((P * width,), pad_token_id)
-    flat_ids[dest[mask]] = input_ids[mask]
-    # Tails: a sequence of padding each, positions 0, 1, ... (so no real token attends to it).
-    column = torch.arange(width, device=device)
-    filled = torch.tensor(used, device=device)
-    flat_positions = (column[None, :] - filled[:, None]).clamp_min(0).reshape(-1).to(position_ids.dtype)
-    flat_positions[dest[mask]] = position_ids[mask]
     # Response token r of row b is predicted at column Q - 1 + r, a real token (the last prompt token or
     # the response's previous one) wherever the response token is valid and the prompt is not empty.
     predicting = mask[:, Q - 1 : T - 1] if Q > 0 else torch.zeros_like(response_mask)
@@ -177,73 +144,12 @@ def pack_sequences(
     sources = dest[:, Q - 1 : T - 1][valid] if Q > 0 else dest.new_zeros(0)
     targets = (torch.arange(B, device=device)[:, None] * R + torch.arange(R, device=device)[None, :])[valid]
     return PackedSequences(
-        input_ids=flat_ids.view(P, width),
-        position_ids=flat_positions.view(P, width),
+        input_ids=rows.input_ids,
+        position_ids=rows.position_ids,
         sources=sources,
         targets=targets,
         response_shape=(B, R),
     )
-
-
-def _backbone(model: nn.Module) -> nn.Module | None:
-    """The transformer under a causal-LM or sequence-classification head (under PEFT too), or None."""
-    try:
-        base = _base(model)
-        backbone = getattr(base, base.base_model_prefix, None)
-    except AttributeError:
-        return None
-    return backbone if isinstance(backbone, nn.Module) else None
-
-
-@torch.no_grad()
-def padding_free_matches(model: nn.Module) -> bool:
-    """Whether the model keeps attention within the sequences of packed rows (position ids restarting at
-    0, no attention mask), checked once on a probe in eval mode: four sequences packed two by two into two
-    rows (the layout of :func:`pack_sequences`) must give the final hidden states each gives alone.
-    Models whose attention masks are not built from the position ids (transformers' ``create_causal_mask``)
-    would let a row's second sequence attend to its first and fail it, and so does transformers' flash
-    attention, which reads packed sequences from the position ids of a single row only; their passes stay
-    padded."""
-    backbone = _backbone(model)
-    if backbone is None:
-        return False
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        return False
-    rows = embedding_rows(model)
-    lengths = ((4, 5), (3, 6))
-    sequences = [
-        [(torch.arange(n, device=device) * 7 + 3 * i + j + 1) % max(rows, 1) for j, n in enumerate(row)]
-        for i, row in enumerate(lengths)
-    ]
-    ids = torch.stack([torch.cat(row) for row in sequences])
-    positions = torch.stack([torch.cat([torch.arange(n, device=device) for n in row]) for row in lengths])
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        alone = torch.stack(
-            [
-                torch.cat(
-                    [backbone(input_ids=seq[None], use_cache=False).last_hidden_state[0] for seq in row]
-                )
-                for row in sequences
-            ]
-        )
-        packed = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-    except Exception:  # any failure means: keep the padded passes
-        return False
-    finally:
-        for module, training in modes:  # each submodule's own mode back, as it was
-            module.training = training
-    if packed.shape != alone.shape:
-        return False
-    # fp32 rounding is ~1e-6 of the scale, half precision's ~1e-2; attention leaking across the sequences
-    # changes the second ones' states by a large fraction of it.
-    tolerance = 1e-3 if alone.dtype == torch.float32 else 3e-2
-    alone, packed = alone.float(), packed.float()
-    scale = float(alone.abs().max()) + 1e-6
-    return float((packed - alone).abs().max()) <= tolerance * scale
 
 
 def fused_head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
@@ -319,16 +225,25 @@ def response_logprobs(
     logits or their gradient; otherwise the lm head's logits go through the chunked log-softmax.
 
     With ``packing`` (:func:`pack_sequences` of these inputs; for a model that passes
-    :func:`padding_free_matches`) the model runs on the packed rows instead, and the results of the
+    :func:`~rlhf_trainers.packing.padding_free_matches`) the model runs on the packed rows instead, and the results of the
     positions that predict valid response tokens are scattered back to (B, R), 0 elsewhere (the padded
     pass leaves whatever the padding gives there; both are masked out of every use)."""
     R = response.shape[1]
     temperature = options.get("temperature", 1.0)
     chunk = options.get("chunk_size")
     compute_dtype = options.get("compute_dtype")
+    parts = fused_head_parts(model) if fused_head else None
+    if (
+        packing is not None
+        and parts is None
+        and not keeps_logits_by_mask()
+        and packing.num_tokens > response.shape[0] * (R + 1)
+    ):
+        # Without transformers' boolean logits_to_keep the packed pass would hold the logits of every
+        # packed position, prompts included: more than the padded pass's (B, R + 1) with long prompts.
+        packing = None
     # Packed: one sequence of the n predicting positions (1, n), scattered back to (B, R) at the end.
     tokens = response if packing is None else response.reshape(-1)[packing.targets][None]
-    parts = fused_head_parts(model) if fused_head else None
     if parts is not None:  # None also when a hook was put on the lm head after construction
         backbone, head = parts
         if packing is None:
@@ -356,8 +271,7 @@ def response_logprobs(
         if packing is None:
             logits = policy_logits(model, input_ids, attention_mask, position_ids, R + 1)[:, :-1]
         else:
-            out = model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False)
-            logits = packing.gather(out.logits)[None]
+            logits = packed_logits(model, packing)[None]
         if with_entropy:
             logprobs, entropy = F.logprobs_and_entropy_from_logits(
                 logits,
@@ -376,6 +290,48 @@ def response_logprobs(
         logprobs = packing.scatter(logprobs[0])
         entropy = packing.scatter(entropy[0]) if entropy is not None else None
     return logprobs, entropy
+
+
+@functools.cache
+def keeps_logits_by_mask() -> bool:
+    """Whether the installed transformers takes a boolean (B, T) ``logits_to_keep`` (the positions to
+    compute logits at, output flattened to (kept, V), as for packed sequences); checked once on its
+    slicing helper."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        out = slice_logits_to_keep(torch.zeros(1, 3, 2), torch.tensor([[True, False, True]]))
+    except Exception:  # an older transformers without the helper or the boolean form
+        return False
+    return tuple(out.shape) == (2, 2)
+
+
+def packed_logits(model: nn.Module, packing: PackedSequences) -> torch.Tensor:
+    """(n, V) logits of the :attr:`PackedSequences.sources` positions (in their order), through the whole
+    model (so logit scaling or soft-capping applies): only those positions' through a boolean
+    ``logits_to_keep`` where transformers and the model take one (:func:`keeps_logits_by_mask`), else every
+    packed position's, gathered."""
+    kwargs: dict[str, Any] = {}
+    n = packing.sources.numel()
+    if keeps_logits_by_mask():
+        keep = torch.zeros(packing.num_tokens, dtype=torch.bool, device=packing.input_ids.device)
+        keep[packing.sources] = True
+        kwargs["logits_to_keep"] = keep.view_as(packing.input_ids)
+    logits = model(
+        input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False, **kwargs
+    ).logits
+    if logits.dim() == 3 and logits.shape[:2] == packing.input_ids.shape:
+        return packing.gather(logits)  # the model computed every position's
+    if logits.dim() != 2 or logits.shape[0] != n:
+        raise ValueError(
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for a boolean "
+            f"logits_to_keep keeping {n} positions; set padding_free=False."
+        )
+    # The kept positions come out in the packed rows' order: back to the order of the sources.
+    order = torch.argsort(packing.sources)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(n, device=order.device)
+    return logits[rank]
 
 
 def policy_logits(
@@ -443,7 +399,7 @@ def response_values(
 ) -> torch.Tensor:
     """(B, R) :func:`token_values` of the positions that predict the R response columns (the last prompt
     token's, then each response token's but the last): V(s_t) of PPO. With ``packing`` (for a model that
-    passes :func:`padding_free_matches`) the pass runs on the packed rows and the values at invalid
+    passes :func:`~rlhf_trainers.packing.padding_free_matches`) the pass runs on the packed rows and the values at invalid
     response positions are 0."""
     if packing is None:
         R = response_width

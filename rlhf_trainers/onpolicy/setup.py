@@ -27,8 +27,9 @@ from ..models import (
     seeded,
     tokenizer_of,
 )
+from ..packing import padding_free_matches
 from .config import OnPolicyConfig
-from .forward import fused_head_matches, padding_free_matches
+from .forward import fused_head_matches
 
 if TYPE_CHECKING:
     import datasets

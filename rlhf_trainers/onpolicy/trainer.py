@@ -139,6 +139,7 @@ class OnPolicyTrainer(
             reward_weights=args.reward_weights,
             batch_size=args.reward_batch_size,
             on_error=args.reward_func_errors,
+            padding_free=args.padding_free,
         )
 
         # ---- data ----
