@@ -17,9 +17,16 @@ update, and read after each: ``peak_rss_mib`` is the process's peak during the p
 padding) over the phase's seconds; the update's counts each token once per epoch. Medians over the
 updates after the first (warm-up).
 
-    python benchmarks/padding_free.py --sizes tiny smollm2-135m --out benchmarks/results
+With ``--interleaved``, timing only and less exposed to other work on a shared machine: one process per
+(size, algorithm) runs both modes on the same samples, alternating which goes first, ``--updates`` rounds
+of: the rollout's forward passes, then the training forward + backward passes of the update's
+micro-batches (the algorithm's loss; gradients zeroed, no optimizer step, so the model stays the same).
+It reports each round's padded / packed time ratio (median over the rounds after the first).
 
-Writes ``<out>/padding_free<tag>.json``.
+    python benchmarks/padding_free.py --sizes tiny smollm2-135m --out benchmarks/results
+    python benchmarks/padding_free.py --interleaved --updates 5 --out benchmarks/results
+
+Writes ``<out>/padding_free<tag>.json`` (``padding_free_interleaved<tag>.json``).
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ def _reset_high_water() -> None:
         pass
 
 
-def _child(args: argparse.Namespace) -> None:
+def _build(args: argparse.Namespace, padding_free: bool):
+    """The trainer of one run and its tokenizer."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -108,7 +116,7 @@ def _child(args: argparse.Namespace) -> None:
         disable_tqdm=True,
         seed=args.seed,
         rollout_logprobs="forward",  # the policy pass runs in both modes (float32 would reuse generation's)
-        padding_free=args.mode == "padding_free",
+        padding_free=padding_free,
     )
     prompts = kit.prompt_dataset("train", n=1024)
     if args.algorithm == "ppo":
@@ -127,6 +135,26 @@ def _child(args: argparse.Namespace) -> None:
             train_dataset=prompts,
             reward_funcs=true_reward,
         )
+    return trainer, tokenizer
+
+
+def _cut(samples, generator, eos: int, pad: int):
+    """Each response cut at a length drawn from 2 to R, the stop token (EOS) its last token."""
+    import torch
+
+    n, R = samples.response.shape
+    lengths = torch.randint(2, R + 1, (n,), generator=generator)
+    keep = torch.arange(R)[None, :] < lengths[:, None]
+    response = samples.response.masked_fill(~keep, pad)
+    response[torch.arange(n), lengths - 1] = eos
+    samples.response, samples.response_mask, samples.lengths = response, keep, lengths
+    return samples
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch
+
+    trainer, tokenizer = _build(args, args.mode == "padding_free")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     phases: dict[str, list[dict[str, float]]] = {"rollout_passes": [], "update": []}
@@ -136,15 +164,9 @@ def _child(args: argparse.Namespace) -> None:
     optimize = trainer._optimize
 
     def cut_samples(*a, **kw):
-        samples = sample(*a, **kw)
-        n, R = samples.response.shape
         generator = torch.Generator().manual_seed(args.seed * 1000 + len(tokens))
-        lengths = torch.randint(2, R + 1, (n,), generator=generator)
-        keep = torch.arange(R)[None, :] < lengths[:, None]
-        response = samples.response.masked_fill(~keep, pad)
-        response[torch.arange(n), lengths - 1] = eos
-        samples.response, samples.response_mask, samples.lengths = response, keep, lengths
-        tokens.append(int(samples.query_mask.sum() + keep.sum()))
+        samples = _cut(sample(*a, **kw), generator, eos, pad)
+        tokens.append(int(samples.query_mask.sum() + samples.response_mask.sum()))
         return samples
 
     def measured(name, fn):
@@ -196,6 +218,67 @@ def _child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result))
 
 
+def _child_interleaved(args: argparse.Namespace) -> None:
+    """Timing only, both modes in one process, alternating on the same samples (so that other work on
+    the machine slows both alike): per round, the rollout's forward passes and the training forward +
+    backward passes of the update's micro-batches (the loss of the algorithm, gradients zeroed after,
+    no optimizer step: the model stays the same), once padded and once packed, in alternating order."""
+    import torch
+
+    trainer, tokenizer = _build(args, True)
+    model = trainer.model
+    flags = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
+    rounds: list[dict[str, float]] = []
+    for round_ in range(args.updates):
+        generator = torch.Generator().manual_seed(args.seed * 1000 + round_)
+        with torch.no_grad():
+            samples = trainer.sample_responses(trainer._prompt_batch(round_), trainer.completions_per_prompt)
+        samples = _cut(samples, generator, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        record = {"tokens": float(samples.query_mask.sum() + samples.response_mask.sum())}
+        modes = MODES if round_ % 2 == 0 else MODES[::-1]
+        rollout = None
+        for mode in modes:
+            on = mode == "padding_free"
+            trainer._pack_policy, trainer._pack_ref, trainer._pack_values = (f and on for f in flags)
+            began = time.perf_counter()
+            with torch.no_grad():
+                passes = trainer.rollout_logprobs(samples)
+            record[f"{mode}/rollout_passes"] = time.perf_counter() - began
+            if rollout is None:
+                with torch.no_grad():
+                    rollout = trainer.assemble_rollout(samples, trainer.score_samples(samples), passes)
+                advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
+            began = time.perf_counter()
+            for rows in torch.arange(rollout.response.shape[0]).split(args.micro_batch):
+                logprobs, values, entropy = trainer._training_forward(model, rollout, rows)
+                bonus = entropy if trainer.args.entropy_coeff else None
+                loss, _ = trainer.compute_policy_loss(
+                    rollout, advantages, rows, logprobs, values, entropy=bonus
+                )
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            record[f"{mode}/train_passes"] = time.perf_counter() - began
+        rounds.append(record)
+    trainer._pack_policy, trainer._pack_ref, trainer._pack_values = flags
+    steady = rounds[1:] or rounds
+    result = {"size": args.size, "algorithm": args.algorithm, "rounds": rounds, "packed_models": list(flags)}
+    for phase in ("rollout_passes", "train_passes"):
+        result[phase] = {
+            mode: {
+                "seconds_median": statistics.median(r[f"{mode}/{phase}"] for r in steady),
+                "tokens_per_second_median": statistics.median(
+                    r["tokens"] / r[f"{mode}/{phase}"] for r in steady
+                ),
+            }
+            for mode in MODES
+        }
+        # Paired: each round's padded time over its packed time (the same samples, moments apart).
+        result[phase]["speedup_median"] = statistics.median(
+            r[f"padded/{phase}"] / r[f"padding_free/{phase}"] for r in steady
+        )
+    print("RESULT " + json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -211,13 +294,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="timing only: both modes in one process per (size, algorithm), alternating on the same samples",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--algorithm", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args)
+        (_child_interleaved if args.mode == "both" else _child)(args)
+        return
+    if args.interleaved:
+        _interleaved_main(args)
         return
     runs = []
     for size in args.sizes:
@@ -286,6 +377,53 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(speedups, indent=1))
+    print(f"wrote {path}")
+
+
+def _interleaved_main(args: argparse.Namespace) -> None:
+    runs = []
+    for size in args.sizes:
+        for algorithm in args.algorithms:
+            command = [sys.executable, __file__, "--child", "--size", size, "--algorithm", algorithm]
+            command += ["--mode", "both", "--batch", str(args.batch), "--micro-batch", str(args.micro_batch)]
+            command += ["--rloo-k", str(args.rloo_k), "--response-length", str(args.response_length)]
+            command += [
+                "--updates",
+                str(args.updates),
+                "--threads",
+                str(args.threads),
+                "--seed",
+                str(args.seed),
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            out = subprocess.run(command, capture_output=True, text=True, env=env)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode or not lines:
+                raise SystemExit(f"{size} {algorithm} interleaved failed:\n{out.stderr[-4000:]}")
+            run = json.loads(lines[-1][len("RESULT ") :])
+            runs.append(run)
+            print(
+                f"{size:13s} {algorithm:4s} rollout passes x{run['rollout_passes']['speedup_median']:.2f} "
+                f"train passes x{run['train_passes']['speedup_median']:.2f}",
+                flush=True,
+            )
+    import torch
+    import transformers
+
+    record = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "size", "algorithm", "mode")},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "load_average_after": os.getloadavg()[0],
+        },
+        "runs": runs,
+    }
+    path = Path(args.out) / f"padding_free_interleaved{args.tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")
 
 
