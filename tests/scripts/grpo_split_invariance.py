@@ -5,8 +5,9 @@ computes from it the gradient of the whole batch as one micro-batch (the single-
 it trains one step in which the engine sees only its half of the prompts (rank r: prompts 2r and
 2r + 1, their 8 completions), as 2 accumulated micro-batches of 4, with ``scale_rewards='batch'`` (whose
 std is all-reduced) and ``beta > 0``, and once more for ``dapo`` with micro-batches by token budget
-(``max_tokens_per_microbatch``, whose micro-batch counts differ between ranks): the gradient the optimizer receives (after DDP's average) must be
-the reference's. The optimizer step itself is skipped. Writes ``result-rank<R>.json`` with the largest
+(``max_tokens_per_microbatch``, whose micro-batch counts differ between ranks), and once with the
+reference's forward pass padded while the ranks' are packed (``padding_free``): the gradient the optimizer
+receives (after DDP's average) must be the reference's. The optimizer step itself is skipped. Writes ``result-rank<R>.json`` with the largest
 differences, for ``tests/test_grpo_distributed.py``.
 """
 
@@ -48,9 +49,12 @@ def gradient(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1).clone() for p in model.parameters() if p.grad is not None])
 
 
-def check(kit: Any, out: str, loss_type: str, budget: int | None = None) -> tuple[int, int, dict[str, float]]:
+def check(
+    kit: Any, out: str, loss_type: str, budget: int | None = None, padded_reference: bool = False
+) -> tuple[int, int, dict[str, float]]:
     """One loss type (and micro-batch token budget): (rank, world size, the differences to the
-    single-process reference)."""
+    single-process reference). ``padded_reference``: the reference's forward pass padded, the ranks'
+    packed (``padding_free``, the default)."""
     args = GRPOConfig(
         output_dir=f"{out}/{loss_type}-{budget}",
         max_tokens_per_microbatch=budget,
@@ -89,7 +93,12 @@ def check(kit: Any, out: str, loss_type: str, budget: int | None = None) -> tupl
     wrapper = trainer.model
     wrapper.zero_grad()
     rows = torch.arange(K * PROMPTS)
+    packed = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
+    if padded_reference:
+        assert trainer._pack_policy, "the kit's policy packs"
+        trainer._pack_policy = trainer._pack_ref = trainer._pack_values = False
     logprobs, values, _ = trainer._training_forward(wrapper, full, rows)
+    trainer._pack_policy, trainer._pack_ref, trainer._pack_values = packed
     whole = LossNormalization.local(full.response_mask, args.response_length)
     loss, _ = trainer.compute_policy_loss(full, full_advantages, rows, logprobs, values, whole)
     loss.backward()
@@ -138,6 +147,8 @@ def main() -> None:
         rank, world, results[loss_type] = check(kit, out, loss_type)
     # micro-batches by token budget: their number depends on each rank's lengths
     rank, world, results["dapo+token_budget"] = check(kit, out, "dapo", budget=30)
+    # padding-free passes on the ranks against a padded single-process reference
+    rank, world, results["dapo+packed_vs_padded"] = check(kit, out, "dapo", padded_reference=True)
     write_rank_result(out, rank, {"world_size": world, "results": results})
 
 
