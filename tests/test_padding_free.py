@@ -6,6 +6,7 @@ padded passes."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -41,18 +42,15 @@ def _with_short_responses(trainer, samples):
     return samples
 
 
+@contextlib.contextmanager
 def _padded(trainer):
-    """Context: the trainer's passes padded, whatever it resolved."""
-
-    class Padded:
-        def __enter__(self):
-            self.flags = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
-            trainer._pack_policy = trainer._pack_ref = trainer._pack_values = False
-
-        def __exit__(self, *exc):
-            trainer._pack_policy, trainer._pack_ref, trainer._pack_values = self.flags
-
-    return Padded()
+    """The trainer's passes padded within the block, whatever it resolved."""
+    flags = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
+    trainer._pack_policy = trainer._pack_ref = trainer._pack_values = False
+    try:
+        yield
+    finally:
+        trainer._pack_policy, trainer._pack_ref, trainer._pack_values = flags
 
 
 def test_pack_sequences_keeps_each_real_token_once_with_its_own_positions():
@@ -65,7 +63,7 @@ def test_pack_sequences_keeps_each_real_token_once_with_its_own_positions():
     response_mask = torch.arange(R)[None, :] < torch.tensor(response_lengths)[:, None]
     ids, mask, positions = sequence_inputs(query, query_mask, response, response_mask, 0)
     packed = pack_sequences(ids, mask, positions, response_mask, pad_token_id=0)
-    # Rows as wide as the longest kept sequence (9); 9 | 3 + 2 | 5 + 1... first fit, longest first.
+    # Kept sequences of 9, 3 and 5 tokens, in rows as wide as the longest: [9] and [5, 3] (first fit).
     assert packed.input_ids.shape[1] == 9
     assert packed.input_ids.shape[0] == 2
     flat_ids, flat_pos = packed.input_ids.reshape(-1), packed.position_ids.reshape(-1)
