@@ -37,6 +37,7 @@ from .models import (
     pooled_scores,
     readable_pad_id,
 )
+from .packing import packed_pooled_scores, packed_score_head, padding_free_matches
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +303,7 @@ def score_ids(
     max_length: int | None = None,
     normalize: bool = True,
     forward: Callable[..., Any] | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Rewards (B,) float32 on CPU of padded token ids, read at the last non-pad token of each row.
 
@@ -327,6 +329,10 @@ def score_ids(
         normalize: apply the gain and bias stored in the model's config.
         forward: replaces ``model.__call__`` (e.g. a DeepSpeed engine); without it, ZeRO-3 partitioned
             weights are gathered for the forward passes.
+        padding_free: run each chunk's real tokens packed (:func:`rlhf_trainers.packing.packed_pooled_scores`;
+            for a model that passes :func:`rlhf_trainers.packing.padding_free_matches` and has a
+            :func:`rlhf_trainers.packing.packed_score_head`, without ``forward``); a chunk with a row
+            without any real token is scored padded.
 
     Raises:
         ValueError: for ids that are not (B, T), or a model that pools at another pad id.
@@ -354,9 +360,14 @@ def score_ids(
         for start in range(0, ids.shape[0], batch_size):
             chunk = ids[start : start + batch_size].to(device)
             mask = (chunk != pad_token_id).long()
-            logits = pooled_scores(
-                model, chunk, mask, pad_token_id, call=call, position_ids=F.position_ids_from_mask(mask)
-            )
+            if padding_free and forward is None and bool(mask.any(1).all()):
+                # The packed rows' free tails read id 0 (their outputs are not used): the pad id may have
+                # no embedding row.
+                logits = packed_pooled_scores(model, chunk, mask, 0)
+            else:
+                logits = pooled_scores(
+                    model, chunk, mask, pad_token_id, call=call, position_ids=F.position_ids_from_mask(mask)
+                )
             if logits.dim() != 2 or logits.shape[-1] != 1:
                 raise ValueError(
                     "The reward model must return pooled logits of shape (batch, 1), as a one-label "
@@ -525,6 +536,9 @@ class RewardSources:
         max_length: if given, the reward model sees at most the last ``max_length`` tokens of each
             sequence (its end, where the score is read).
         on_error: ``"raise"`` (default) or ``"skip"``: what a failing reward function does (see above).
+        padding_free: score the policy's ids (``same_tokenizer``) with their real tokens packed, when the
+            reward model allows it (checked once, at the first scoring; see :func:`score_ids`); scoring
+            through ``reward_model_forward`` and of texts stays padded.
 
     Attributes:
         last_errors: rows of the last call whose reward function failed (``on_error="skip"``).
@@ -553,6 +567,7 @@ class RewardSources:
         batch_size: int = 64,
         max_length: int | None = None,
         on_error: str = "raise",
+        padding_free: bool = False,
     ) -> None:
         if on_error not in REWARD_ERROR_MODES:
             raise ValueError(f"on_error must be one of {REWARD_ERROR_MODES}, got {on_error!r}.")
@@ -582,6 +597,10 @@ class RewardSources:
         self.reward_funcs: list[RewardFunc] = funcs
         self.batch_size = batch_size
         self.max_length = max_length
+        self.padding_free = padding_free
+        #: Whether the reward model's scoring of the policy's ids runs packed; resolved at the first
+        #: scoring (on the model's device), see :meth:`_packs_reward_model`.
+        self._pack_reward: bool | None = None
         self.same_tokenizer: bool = self._is_same_tokenizer(policy_tokenizer, reward_tokenizer)
         if reward_model is not None:
             self._check_reward_model(reward_model, policy_tokenizer, reward_tokenizer)
@@ -783,6 +802,7 @@ class RewardSources:
                     batch_size=self.batch_size,
                     max_length=self.max_length,
                     forward=forward,
+                    padding_free=forward is None and self._packs_reward_model(),
                 )
             texts = [
                 join_prompt_completion(p, c, self.reward_tokenizer)
@@ -799,6 +819,23 @@ class RewardSources:
             )
         finally:
             model.train(was_training)
+
+    def _packs_reward_model(self) -> bool:
+        """``padding_free`` and a reward model that passes :func:`rlhf_trainers.packing.padding_free_matches`
+        with a per-token linear head (:func:`rlhf_trainers.packing.packed_score_head`); checked once, with
+        an info line when it does not."""
+        if not self.padding_free or self.reward_model is None:
+            return False
+        if self._pack_reward is None:
+            model = self.reward_model
+            self._pack_reward = packed_score_head(model) is not None and padding_free_matches(model)
+            if not self._pack_reward:
+                logger.info(
+                    "padding_free: the reward model (%s) does not keep attention within packed sequences or "
+                    "has no per-token linear score head; its scoring stays padded.",
+                    type(model).__name__,
+                )
+        return self._pack_reward
 
     def _run_func(
         self,

@@ -724,7 +724,15 @@ def test_token_budget_micro_batches_give_the_update_of_fixed_ones(kit, tmp_path,
     """A mini-batch of 16 split by a token budget (longest rows first, each micro-batch's rows x padded
     columns within the budget) gives the SGD step of the fixed 4 x 4 split, for a loss type whose counts
     differ between micro-batches; every micro-batch keeps to the budget."""
-    common = {"max_steps": 1, "max_grad_norm": 0.0, "optim": "sgd", "per_device_train_batch_size": 4}
+    # Padded passes: the budget holds rows x padded columns (with padding_free it holds real tokens,
+    # tests/test_padding_free.py).
+    common = {
+        "max_steps": 1,
+        "max_grad_norm": 0.0,
+        "optim": "sgd",
+        "per_device_train_batch_size": 4,
+        "padding_free": False,
+    }
     start = _digest(_trainer(kit, tmp_path / "start").policy)
     fixed = _trainer(kit, tmp_path / "fixed", gradient_accumulation_steps=4, **common)
     budget = _trainer(

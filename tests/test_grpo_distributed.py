@@ -1,7 +1,7 @@
 """GRPO on 2 CPU ranks (DDP): it learns with identical weights on both ranks (tests/scripts/grpo_distributed.py),
 and every loss_type gives the gradient of the whole batch when each rank holds
-half of it as 2 accumulated micro-batches (tests/scripts/grpo_split_invariance.py, which documents the
-setup). Together with tests/test_grpo.py's 1 x 16 vs 4 x 4 check: 1 x 16 vs 4 x 4 vs 2 processes x 8."""
+half of it as 2 accumulated micro-batches, padding-free passes on the ranks giving a padded reference's
+gradient too (tests/scripts/grpo_split_invariance.py, which documents the setup). Together with tests/test_grpo.py's 1 x 16 vs 4 x 4 check: 1 x 16 vs 4 x 4 vs 2 processes x 8."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 def test_every_loss_type_gives_the_whole_batch_gradient_on_two_processes(tmp_path):
     run_script("grpo_split_invariance.py", ["--output_dir", str(tmp_path)], timeout=900)
     for result in read_rank_results(tmp_path):
-        assert sorted(result["results"]) == sorted([*LOSS_TYPES, "dapo+token_budget", "dapo+balance_batch"])
+        assert sorted(result["results"]) == sorted(
+            [*LOSS_TYPES, "dapo+token_budget", "dapo+packed_vs_padded", "dapo+balance_batch"]
+        )
         for loss_type, r in result["results"].items():
             assert r["max_abs_gradient"] > 1e-4, loss_type  # a real gradient
             assert r["relative"] < 1e-4, (loss_type, r)

@@ -21,7 +21,15 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from .forward import pad_columns, response_logprobs, sequence_inputs, token_values, trim_bounds
+from .forward import (
+    PackedSequences,
+    pack_sequences,
+    pad_columns,
+    response_logprobs,
+    response_values,
+    sequence_inputs,
+    trim_bounds,
+)
 
 
 @dataclass
@@ -382,11 +390,27 @@ class RolloutSteps:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return sequence_inputs(query, query_mask, response, response_mask, self._input_pad_id)
 
+    def _packed(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, response_mask: torch.Tensor
+    ) -> PackedSequences | None:
+        """The inputs of :meth:`_sequence_inputs` packed for the padding-free passes
+        (:func:`~rlhf_trainers.onpolicy.forward.pack_sequences`); None when no model's passes are packed
+        (``padding_free`` off, or no model passed the check) or no row has a valid response token."""
+        if not (self._pack_policy or self._pack_ref or self._pack_values):
+            return None
+        return pack_sequences(ids, mask, positions, response_mask, self._input_pad_id)
+
     @torch.no_grad()
     def _reference_logprobs(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, response: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        response: torch.Tensor,
+        packing: PackedSequences | None = None,
     ) -> torch.Tensor:
         options = self._logprob_options()
+        packing = packing if self._pack_ref else None
         if self.ref_model is None:
             # PEFT: the reference is the same weights with the adapter disabled (no second copy).
             with self.policy.disable_adapter():
@@ -399,10 +423,19 @@ class RolloutSteps:
                     options,
                     fused_head=self._fused_ref,
                     with_entropy=False,
+                    packing=packing,
                 )[0]
         forward = self._ref_forward or self.ref_model
         return response_logprobs(
-            forward, ids, mask, positions, response, options, fused_head=self._fused_ref, with_entropy=False
+            forward,
+            ids,
+            mask,
+            positions,
+            response,
+            options,
+            fused_head=self._fused_ref,
+            with_entropy=False,
+            packing=packing,
         )[0]
 
     def rollout_logprobs(
@@ -414,7 +447,8 @@ class RolloutSteps:
 
         The forward passes see the prompt columns some row of the chunk uses and the response columns up
         to its longest response; what they leave out is padding in every row, and the results are padded
-        back to R with zeros (at masked positions)."""
+        back to R with zeros (at masked positions). With ``padding_free`` the passes of the models that
+        allow it run on the chunk's real tokens packed (:meth:`_packed`)."""
         timings = timings if timings is not None else defaultdict(float)
         R = samples.response.shape[1]
         step = self.args.local_rollout_forward_batch_size
@@ -429,6 +463,7 @@ class RolloutSteps:
                 query, query_mask[:, first:], response, response_mask[:, :end]
             )
             response = ids[:, query.shape[1] :]  # padding as the forward passes read it (an id they have)
+            packing = self._packed(ids, mask, positions, response_mask[:, :end])
             if from_generation:
                 # The sampling loop's own log-probs (rollout_logprobs): no policy forward pass.
                 parts["logprobs"].append(samples.generation_logprobs[rows].masked_fill(~response_mask, 0.0))
@@ -444,6 +479,7 @@ class RolloutSteps:
                     response,
                     self._logprob_options(),
                     fused_head=self._fused_policy,
+                    packing=packing if self._pack_policy else None,
                 )
                 parts["logprobs"].append(pad_columns(logprobs, R))
                 parts["entropy"].append(pad_columns(entropy, R))
@@ -451,7 +487,7 @@ class RolloutSteps:
             if self.args.uses_reference_model:
                 began = time.perf_counter()
                 parts["ref_logprobs"].append(
-                    pad_columns(self._reference_logprobs(ids, mask, positions, response), R)
+                    pad_columns(self._reference_logprobs(ids, mask, positions, response, packing), R)
                 )
                 timings["timing/ref"] += time.perf_counter() - began
             else:
@@ -459,7 +495,14 @@ class RolloutSteps:
                 parts["ref_logprobs"].append(parts["logprobs"][-1])
             if self.value_model is not None:
                 began = time.perf_counter()
-                values = token_values(self.value_model, ids, mask, positions)[:, query.shape[1] - 1 : -1]
+                values = response_values(
+                    self.value_model,
+                    ids,
+                    mask,
+                    positions,
+                    response.shape[1],
+                    packing=packing if self._pack_values else None,
+                )
                 parts["values"].append(pad_columns(values.float(), R))
                 timings["timing/values"] += time.perf_counter() - began
         joined = {name: torch.cat(values) for name, values in parts.items()}

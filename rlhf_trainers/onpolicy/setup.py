@@ -27,6 +27,7 @@ from ..models import (
     seeded,
     tokenizer_of,
 )
+from ..packing import padding_free_matches
 from .config import OnPolicyConfig
 from .forward import fused_head_matches
 
@@ -342,3 +343,33 @@ class SetupSteps:
             self._fused_ref = self._fused_policy
         else:
             self._fused_ref = on and self._ref_forward is None and fused_head_matches(self.ref_model)
+
+    def _resolve_padding_free(self) -> None:
+        """``padding_free``: pack the passes of each model (policy, reference, value model) that passes
+        :func:`padding_free_matches`; the others keep the padded passes, with an info line saying so.
+        Never under ZeRO-3 (its partitioned weights and inference engines were not tried with packing)."""
+        self._pack_policy = self._pack_ref = self._pack_values = False
+        if not self.args.padding_free:
+            return
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            logger.info("padding_free: not under DeepSpeed ZeRO-3; every forward pass stays padded.")
+            return
+
+        def check(name: str, model: Any) -> bool:
+            ok = padding_free_matches(model)
+            if not ok:
+                logger.info(
+                    "padding_free: the %s (%s) does not keep attention within packed sequences (checked on a "
+                    "probe at construction); its forward passes stay padded.",
+                    name,
+                    type(model).__name__,
+                )
+            return ok
+
+        self._pack_policy = check("policy", self.policy)
+        if self.ref_model is None:
+            self._pack_ref = self._pack_policy  # the policy with its adapter disabled (PEFT), or none
+        elif self._ref_forward is None:
+            self._pack_ref = check("reference model", self.ref_model)
+        if self.value_model is not None:
+            self._pack_values = check("value model", self.value_model)

@@ -140,6 +140,7 @@ class OnPolicyTrainer(
             reward_weights=args.reward_weights,
             batch_size=args.reward_batch_size,
             on_error=args.reward_func_errors,
+            padding_free=args.padding_free,
         )
 
         # ---- data ----
@@ -168,6 +169,7 @@ class OnPolicyTrainer(
         self._check_batch_sizes()
         self._prepare_frozen_models()
         self._resolve_fused_head()
+        self._resolve_padding_free()
         self._build_generation_backend()
         self.kl_ctl: F.AdaptiveKLController | F.FixedKLController = (
             F.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
@@ -440,6 +442,7 @@ class OnPolicyTrainer(
         response, response_mask = response[:, :end], response_mask[:, :end]
         ids, mask, positions = self._sequence_inputs(query, query_mask, response, response_mask)
         response = ids[:, query.shape[1] :]  # padding as the forward pass reads it (an id it has)
+        packing = self._packed(ids, mask, positions, response_mask)
         logprobs, values, entropy = model(
             input_ids=ids,
             attention_mask=mask,
@@ -448,9 +451,11 @@ class OnPolicyTrainer(
             response=response,
             logprob_options=self._logprob_options(),
             fused_head=self._fused_policy,
+            policy_packing=packing if self._pack_policy else None,
+            value_packing=packing if self._pack_values else None,
         )
         if values is not None:
-            values = pad_columns(values[:, query.shape[1] - 1 : -1].float(), R)
+            values = pad_columns(values.float(), R)
         return pad_columns(logprobs, R), values, pad_columns(entropy, R)
 
     def _optimize(
@@ -552,7 +557,8 @@ class OnPolicyTrainer(
         """How one mini-batch (``rows``, host indices into the rollout, in the shuffled order) is split
         into micro-batches: ``gradient_accumulation_steps`` of ``per_device_train_batch_size`` rows, or,
         with ``max_tokens_per_microbatch``, as few micro-batches as keep each one's padded size (rows x
-        its trimmed columns) within the budget: rows longest first, packed greedily (a row longer than
+        its trimmed columns; its real tokens when the policy's passes are packed, ``padding_free``) within
+        the budget: rows longest first, packed greedily (a row longer than
         the budget alone). The loss denominators count the whole mini-batch, so the split changes the
         gradient only by float rounding."""
         args = self.args
@@ -562,19 +568,23 @@ class OnPolicyTrainer(
         prompt = (query_width - query_start[rows]).clamp_max(query_width)
         lengths = prompt + response_end[rows]
         order = rows[torch.argsort(lengths, descending=True, stable=True)]
+        # Padding-free passes cost the real tokens (packed), padded ones rows x the widest row.
+        packed = self._pack_policy
         parts: list[list[int]] = []
-        widest_prompt = widest_response = 0
+        widest_prompt = widest_response = tokens = 0
         for row in order.tolist():
             p = int(query_width - query_start[row])
             r = int(response_end[row])
             if parts:
                 width = max(widest_prompt, p) + max(widest_response, r)
-                if (len(parts[-1]) + 1) * width <= budget:
+                cost = tokens + p + r if packed else (len(parts[-1]) + 1) * width
+                if cost <= budget:
                     parts[-1].append(row)
                     widest_prompt, widest_response = max(widest_prompt, p), max(widest_response, r)
+                    tokens += p + r
                     continue
             parts.append([row])
-            widest_prompt, widest_response = p, r
+            widest_prompt, widest_response, tokens = p, r, p + r
         return [torch.tensor(part, dtype=rows.dtype) for part in parts]
 
     def _loss_normalizations(

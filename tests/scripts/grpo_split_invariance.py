@@ -5,10 +5,11 @@ computes from it the gradient of the whole batch as one micro-batch (the single-
 it trains one step in which the engine sees only its half of the prompts (rank r: prompts 2r and
 2r + 1, their 8 completions), as 2 accumulated micro-batches of 4, with ``scale_rewards='batch'`` (whose
 std is all-reduced) and ``beta > 0``, and once more for ``dapo`` with micro-batches by token budget
-(``max_tokens_per_microbatch``, whose micro-batch counts differ between ranks), and once with balanced
+(``max_tokens_per_microbatch``, whose micro-batch counts differ between ranks), once with the
+reference's forward pass padded while the ranks' are packed (``padding_free``), and once with balanced
 ranks (``balance_batch``: the rows move between the ranks after the advantages): the gradient the
-optimizer receives (after DDP's average) must be
-the reference's. The optimizer step itself is skipped. Writes ``result-rank<R>.json`` with the largest
+optimizer receives (after DDP's average) must be the reference's. The optimizer step itself is skipped.
+Writes ``result-rank<R>.json`` with the largest
 differences, for ``tests/test_grpo_distributed.py``.
 """
 
@@ -52,12 +53,19 @@ def gradient(model: torch.nn.Module) -> torch.Tensor:
 
 
 def check(
-    kit: Any, out: str, loss_type: str, budget: int | None = None, balance: bool = False
+    kit: Any,
+    out: str,
+    loss_type: str,
+    budget: int | None = None,
+    padded_reference: bool = False,
+    balance: bool = False,
 ) -> tuple[int, int, dict[str, float]]:
     """One loss type (and micro-batch token budget, balanced ranks): (rank, world size, the differences to
-    the single-process reference, and with ``balance`` the token imbalance before and after)."""
+    the single-process reference, and with ``balance`` the token imbalance before and after).
+    ``padded_reference``: the reference's forward pass padded, the ranks' packed (``padding_free``, the
+    default)."""
     args = GRPOConfig(
-        output_dir=f"{out}/{loss_type}-{budget}-{balance}",
+        output_dir=f"{out}/{loss_type}-{budget}-{padded_reference}-{balance}",
         max_tokens_per_microbatch=budget,
         balance_batch=balance,
         per_device_train_batch_size=4,
@@ -95,7 +103,12 @@ def check(
     wrapper = trainer.model
     wrapper.zero_grad()
     rows = torch.arange(K * PROMPTS)
+    packed = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
+    if padded_reference:
+        assert trainer._pack_policy, "the kit's policy packs"
+        trainer._pack_policy = trainer._pack_ref = trainer._pack_values = False
     logprobs, values, _ = trainer._training_forward(wrapper, full, rows)
+    trainer._pack_policy, trainer._pack_ref, trainer._pack_values = packed
     whole = LossNormalization.local(full.response_mask, args.response_length)
     loss, _ = trainer.compute_policy_loss(full, full_advantages, rows, logprobs, values, whole)
     loss.backward()
@@ -158,6 +171,8 @@ def main() -> None:
         rank, world, results[loss_type] = check(kit, out, loss_type)
     # micro-batches by token budget: their number depends on each rank's lengths
     rank, world, results["dapo+token_budget"] = check(kit, out, "dapo", budget=30)
+    # padding-free passes on the ranks against a padded single-process reference
+    rank, world, results["dapo+packed_vs_padded"] = check(kit, out, "dapo", padded_reference=True)
     # balanced ranks: the rows move between the processes after the advantages
     rank, world, results["dapo+balance_batch"] = check(kit, out, "dapo", balance=True)
     write_rank_result(out, rank, {"world_size": world, "results": results})

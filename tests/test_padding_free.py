@@ -1,0 +1,334 @@
+"""Padding-free passes (``padding_free``): the real tokens of a batch packed into rows, position ids
+restarting per sequence. The packed passes must give the padded passes' log-probs, entropies, values and
+gradients (float32) for the kit's Llama, GPT-2 and GPT-NeoX models, with and without a LoRA adapter, and
+whole PPO / RLOO runs the same metrics; models that would let attention cross packed sequences keep the
+padded passes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+
+from rlhf_trainers.onpolicy.forward import pack_sequences, sequence_inputs, trim_bounds
+from rlhf_trainers.packing import packed_score_head, padding_free_matches
+from rlhf_trainers.reward_sources import score_ids
+from tests import test_ppo, test_rloo
+
+ARCHITECTURES = ("llama", "gpt2", "gpt_neox")
+#: float32: packed and padded passes differ by rounding only (measured: 0 to ~1e-6 on the kit models).
+ATOL = 1e-5
+
+
+def _lora():
+    from peft import LoraConfig
+
+    # init_lora_weights=False: a non-zero adapter, so the policy and its reference (adapter disabled) differ.
+    return LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False, lora_dropout=0.0)
+
+
+def _with_short_responses(trainer, samples):
+    """The samples with each response cut at a random length (1 to R), as responses stopping at EOS."""
+    R = samples.response.shape[1]
+    lengths = torch.randint(
+        1, R + 1, (samples.response.shape[0],), generator=torch.Generator().manual_seed(0)
+    )
+    mask = samples.response_mask & (torch.arange(R)[None, :] < lengths[:, None])
+    samples.response_mask = mask
+    samples.response = samples.response.masked_fill(~mask, trainer.processing_class.pad_token_id)
+    samples.lengths = mask.sum(1)
+    return samples
+
+
+@contextlib.contextmanager
+def _padded(trainer):
+    """The trainer's passes padded within the block, whatever it resolved."""
+    flags = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
+    trainer._pack_policy = trainer._pack_ref = trainer._pack_values = False
+    try:
+        yield
+    finally:
+        trainer._pack_policy, trainer._pack_ref, trainer._pack_values = flags
+
+
+def test_pack_sequences_keeps_each_real_token_once_with_its_own_positions():
+    torch.manual_seed(0)
+    Q, R = 5, 4
+    query_lengths, response_lengths = [5, 2, 1, 3], [4, 1, 0, 2]  # row 2: no valid response token
+    query = torch.randint(10, 50, (4, Q))
+    response = torch.randint(10, 50, (4, R))
+    query_mask = torch.arange(Q)[None, :] >= Q - torch.tensor(query_lengths)[:, None]
+    response_mask = torch.arange(R)[None, :] < torch.tensor(response_lengths)[:, None]
+    ids, mask, positions = sequence_inputs(query, query_mask, response, response_mask, 0)
+    packed = pack_sequences(ids, mask, positions, response_mask, pad_token_id=0)
+    # Kept sequences of 9, 3 and 5 tokens, in rows as wide as the longest: [9] and [5, 3] (first fit).
+    assert packed.input_ids.shape[1] == 9
+    assert packed.input_ids.shape[0] == 2
+    flat_ids, flat_pos = packed.input_ids.reshape(-1), packed.position_ids.reshape(-1)
+    # Every real token of the kept rows once, in order, each sequence's positions 0, 1, ...
+    for b in (0, 1, 3):
+        real = ids[b][mask[b].bool()]
+        n = len(real)
+        starts = [i for i in range(flat_ids.numel() - n + 1) if torch.equal(flat_ids[i : i + n], real)]
+        assert any(torch.equal(flat_pos[i : i + n], torch.arange(n)) for i in starts), b
+    assert int((flat_ids != 0).sum()) == sum(
+        q + r for q, r in zip(query_lengths, response_lengths, strict=True) if r
+    )
+    # A row's free tail is one sequence of its own (positions from 0), so transformers sees it apart.
+    for row_ids, row_pos in zip(packed.input_ids, packed.position_ids, strict=True):
+        tail = int((row_ids == 0).sum())
+        if tail:
+            assert torch.equal(row_pos[-tail:], torch.arange(tail))
+    # The sources predict the targets: the token before each valid response token.
+    predicted = response.reshape(-1)[packed.targets]
+    assert packed.targets.numel() == int(response_mask.sum())
+    nxt = flat_ids[packed.sources + 1]
+    assert torch.equal(nxt, predicted)
+    # Scattered back: zeros where no valid response token is.
+    back = packed.scatter(torch.ones(packed.targets.numel()))
+    assert torch.equal(back.bool(), response_mask)
+
+
+def test_pack_sequences_is_none_without_a_valid_response_token():
+    ids = torch.ones(2, 5, dtype=torch.long)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    assert pack_sequences(ids, mask, mask.cumsum(1) - 1, torch.zeros(2, 2, dtype=torch.bool), 0) is None
+
+
+def _ppo(kit, tmp_path, arch, lora, **kwargs):
+    extra = {"peft_config": _lora()} if lora else {}
+    trainer = test_ppo._trainer(
+        kit, tmp_path, model=arch, padding_free=True, response_length=8, kl_coef=0.1, **extra, **kwargs
+    )
+    # The value head starts at zero: give it weights, so the values (and their gradients) say something.
+    torch.manual_seed(1)
+    for name, param in trainer.value_model.named_parameters():
+        if "score" in name:
+            param.data.normal_(0, 0.5)
+    return trainer
+
+
+CASES = [(arch, lora, True) for arch in ARCHITECTURES for lora in (False, True)]
+CASES += [(arch, False, False) for arch in ARCHITECTURES]  # the logits path (fused_lm_head=False)
+
+
+@pytest.mark.parametrize(
+    ("arch", "lora", "fused"),
+    CASES,
+    ids=[f"{a}-{'lora' if lora else 'full'}-{'fused' if f else 'logits'}" for a, lora, f in CASES],
+)
+def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, monkeypatch):
+    trainer = _ppo(kit, tmp_path, arch, lora, fused_lm_head=fused)
+    assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
+    assert trainer._fused_policy == fused
+    if not fused:  # the packed logits path computes the predicting positions' logits only
+        from rlhf_trainers.onpolicy import forward
+
+        calls = []
+        packed_logits = forward.packed_logits
+        monkeypatch.setattr(forward, "packed_logits", lambda m, p: calls.append(p) or packed_logits(m, p))
+    with torch.no_grad():
+        samples = trainer.sample_responses(trainer._prompt_batch(0), trainer.completions_per_prompt)
+    samples = _with_short_responses(trainer, samples)
+    mask = samples.response_mask
+    assert mask.sum(1).unique().numel() > 2  # lengths vary
+
+    # Rollout passes: policy log-probs and entropy, reference log-probs, values.
+    with torch.no_grad():
+        packed = trainer.rollout_logprobs(samples)
+        with _padded(trainer):
+            padded = trainer.rollout_logprobs(samples)
+    for name in ("logprobs", "entropy", "ref_logprobs", "values"):
+        got, want = getattr(packed, name), getattr(padded, name)
+        torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=ATOL, msg=name)
+        assert not got[~mask].any(), name  # zeros where no valid token is
+    if lora:  # the reference (adapter disabled) is another model than the policy
+        assert (packed.ref_logprobs - packed.logprobs)[mask].abs().max() > 1e-3
+    if not fused:
+        assert calls
+
+    # Training forward and one backward pass; one row without valid tokens (an invalid reward).
+    rollout = trainer.assemble_rollout(samples, trainer.score_samples(samples), packed)
+    rollout.response_mask[2] = False
+    rows = torch.arange(rollout.response.shape[0])
+    weights = torch.randn(rollout.response.shape, generator=torch.Generator().manual_seed(2))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    results = {}
+    for name in ("packed", "padded"):
+        context = _padded(trainer) if name == "padded" else torch.enable_grad()
+        with context:
+            logprobs, values, entropy = trainer._training_forward(trainer.model, rollout, rows)
+        valid = rollout.response_mask
+        loss = ((logprobs + 0.3 * values + 0.1 * entropy) * weights * valid).sum()
+        results[name] = (logprobs, values, entropy, torch.autograd.grad(loss, params))
+    valid = rollout.response_mask
+    for i, name in enumerate(("logprobs", "values", "entropy")):
+        got, want = results["packed"][i].detach(), results["padded"][i].detach()
+        torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=ATOL, msg=name)
+    for got, want in zip(results["packed"][3], results["padded"][3], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL)
+
+
+def test_a_model_that_lets_attention_cross_packed_sequences_stays_padded(kit, tmp_path, caplog):
+    model = kit.load_model("llama-sft")
+    assert padding_free_matches(model)
+    backbone = model.model
+    forward = backbone.forward
+
+    def positions_ignored(*args, position_ids=None, **kwargs):  # as a model that computes its own
+        return forward(*args, **kwargs)
+
+    backbone.forward = positions_ignored
+    assert not padding_free_matches(model)
+    with caplog.at_level(logging.INFO, logger="rlhf_trainers.onpolicy.setup"):
+        trainer = test_rloo._trainer(kit, tmp_path, model=model, padding_free=True)
+    assert not trainer._pack_policy and not trainer._pack_ref
+    assert "does not keep attention within packed sequences" in caplog.text
+    assert trainer._packed(*_inputs(trainer)) is None
+
+
+def _inputs(trainer):
+    with torch.no_grad():
+        samples = trainer.sample_responses(trainer._prompt_batch(0), trainer.completions_per_prompt)
+    first, end = trim_bounds(samples.query_mask, samples.response_mask)
+    ids, mask, positions = trainer._sequence_inputs(
+        samples.query[:, first:],
+        samples.query_mask[:, first:],
+        samples.response[:, :end],
+        samples.response_mask[:, :end],
+    )
+    return ids, mask, positions, samples.response_mask[:, :end]
+
+
+def test_on_by_default_and_off_when_asked(kit, tmp_path):
+    trainer = test_ppo._trainer(kit, tmp_path / "on")
+    assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
+    trainer = test_ppo._trainer(kit, tmp_path / "off", padding_free=False)
+    assert not (trainer._pack_policy or trainer._pack_ref or trainer._pack_values)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
+def test_whole_runs_give_the_same_metrics_and_model(kit, tmp_path, algorithm, monkeypatch):
+    from rlhf_trainers.onpolicy import rollout as rollout_module
+
+    shared = []  # whether some packed row held several sequences, per packing
+
+    def spy(ids, mask, positions, response_mask, pad):
+        packed = pack_sequences(ids, mask, positions, response_mask, pad)
+        shared.append(packed is not None and packed.input_ids.shape[0] < int(response_mask.any(1).sum()))
+        return packed
+
+    monkeypatch.setattr(rollout_module, "pack_sequences", spy)
+    module = test_ppo if algorithm == "ppo" else test_rloo
+    extra = {"rloo_k": 4} if algorithm == "rloo" else {}
+    runs = {}
+    for packed in (True, False):
+        trainer = module._trainer(
+            kit,
+            tmp_path / str(packed),
+            padding_free=packed,
+            response_length=16,
+            max_steps=2,
+            num_mini_batches=2,
+            per_device_train_batch_size=16,
+            rollout_logprobs="forward",
+            **extra,
+        )
+        trainer.train()
+        runs[packed] = (module._digest(trainer.policy), trainer.state.log_history)
+    assert any(shared)  # some rows held several sequences (else packing would change nothing)
+    lengths = [h["val/response_length"] for h in runs[True][1] if "val/response_length" in h]
+    assert all(0 < n < 16 for n in lengths)  # responses stop at EOS: the batches have padding
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-5)
+    compared = 0
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        for key, value in a.items():
+            if key.startswith(("objective/", "loss/", "policy/", "val/", "critic/")):
+                assert value == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
+                compared += 1
+    assert compared > 20
+
+
+def test_token_budget_counts_real_tokens_when_packed(kit, tmp_path, monkeypatch):
+    """With ``padding_free`` a ``max_tokens_per_microbatch`` budget holds each micro-batch's real tokens
+    (what the packed pass costs), and the update is still that of the fixed micro-batches."""
+    common = {
+        "max_steps": 1,
+        "max_grad_norm": 0.0,
+        "optim": "sgd",
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 4,
+        "rloo_k": 4,
+        "padding_free": True,
+        "rollout_logprobs": "forward",
+    }
+    start = test_rloo._digest(test_rloo._trainer(kit, tmp_path / "start").policy)
+    fixed = test_rloo._trainer(kit, tmp_path / "fixed", **common)
+    budget = test_rloo._trainer(kit, tmp_path / "budget", max_tokens_per_microbatch=40, **common)
+    seen: list[tuple[int, int, int]] = []
+    forward = budget._training_forward
+
+    def recording(model, rollout, rows, bounds=None):
+        first, end = bounds
+        real = int(rollout.query_mask[rows].sum() + rollout.response_mask[rows].sum())
+        seen.append((len(rows), real, (rollout.query.shape[1] - first) + end))
+        return forward(model, rollout, rows, bounds)
+
+    monkeypatch.setattr(budget, "_training_forward", recording)
+    fixed.train()
+    budget.train()
+    assert all(real <= 40 or n == 1 for n, real, _ in seen), seen
+    assert any(n * width > 40 for n, _, width in seen)  # a padded budget would have split these
+    assert sum(n for n, _, _ in seen) == 16
+    step_fixed = test_rloo._digest(fixed.policy) - start
+    step_budget = test_rloo._digest(budget.policy) - start
+    assert step_fixed.abs().max() > 1e-6
+    torch.testing.assert_close(step_budget, step_fixed, rtol=1e-3, atol=1e-8)
+
+
+def _reward_model(kit, name):
+    if name != "gpt_neox":
+        return kit.load_model(name)
+    from transformers import AutoModelForSequenceClassification
+
+    # The kit has no GPT-NeoX reward model: one from the causal model's config, with a random head.
+    config = kit.load_model("gpt_neox").config
+    config.num_labels = 1
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+@pytest.mark.parametrize("name", ["llama-seqcls", "gpt2-seqcls", "gpt_neox"])
+def test_packed_reward_scores_equal_padded_ones(kit, name):
+    model = _reward_model(kit, name).eval()
+    pad = kit.load_tokenizer().pad_token_id
+    model.config.pad_token_id = pad
+    assert packed_score_head(model) is not None and padding_free_matches(model)
+    # Rollout-shaped rows: left-padded prompts, then responses right-padded after their stop.
+    generator = torch.Generator().manual_seed(0)
+    B, Q, R = 12, 7, 10
+    ids = torch.randint(pad + 1, pad + 200, (B, Q + R), generator=generator)
+    prompt = torch.randint(1, Q + 1, (B,), generator=generator)
+    response = torch.randint(1, R + 1, (B,), generator=generator)
+    columns = torch.arange(Q + R)[None, :]
+    real = (columns >= Q - prompt[:, None]) & (columns < Q + response[:, None])
+    ids = ids.masked_fill(~real, pad)
+    packed = score_ids(model, ids, pad, batch_size=5, padding_free=True)
+    padded = score_ids(model, ids, pad, batch_size=5)
+    assert padded.std() > 1e-3  # the rows score differently
+    torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
+
+
+def test_the_trainer_scores_with_the_reward_model_packed(kit, tmp_path):
+    trainer = test_rloo._trainer(kit, tmp_path, reward_model=kit.load_model("llama-seqcls"), rloo_k=2)
+    sources = trainer.reward_sources
+    assert sources.same_tokenizer and sources.padding_free
+    with torch.no_grad():
+        samples = _with_short_responses(trainer, trainer.sample_responses(trainer._prompt_batch(0), 2))
+        packed = trainer.score_samples(samples).total
+        assert sources._pack_reward is True
+        sources._pack_reward = False
+        padded = trainer.score_samples(samples).total
+    torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
