@@ -14,6 +14,7 @@ import errno
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -174,6 +175,56 @@ def fsync_tree(path: str) -> int:
         fsync_dir(folder)
         count += 1
     return count
+
+
+def checkpoint_process_count(checkpoint: str) -> int | None:
+    """How many processes wrote ``checkpoint``, as its RNG-state files tell (``Trainer`` writes
+    ``rng_state.pth`` on one process, ``rng_state_<process index>.pth`` on several): the highest index + 1;
+    None when it holds neither. (With ``save_on_each_node`` a node's checkpoint holds only its own
+    processes' files: the count is then a lower bound.)"""
+    try:
+        names = os.listdir(checkpoint)
+    except OSError:
+        return None
+    indices = [int(m.group(1)) for m in (re.fullmatch(r"rng_state_(\d+)\.pth", n) for n in names) if m]
+    if indices:
+        return max(indices) + 1
+    return 1 if "rng_state.pth" in names else None
+
+
+def check_resume_process_count(
+    checkpoint: str,
+    num_processes: int,
+    *,
+    saved: int | None = None,
+    save_on_each_node: bool = False,
+    fresh_start: str = "model=<checkpoint>",
+) -> None:
+    """ValueError when ``checkpoint`` was saved by a run on another number of processes than
+    ``num_processes``: ``saved`` where the checkpoint records it, else :func:`checkpoint_process_count`.
+
+    A checkpoint holds state per process that does not map onto another number of them: each process's
+    random-number state, each process's share of every batch (the global batch is per-device batch x
+    processes, so the remaining steps would train on other batches, from another position in the data) and,
+    under DeepSpeed ZeRO, each process's partition of the optimizer state. ``fresh_start`` says how to start
+    a new run from the checkpoint's weights instead (the trainer's arguments)."""
+    lower_bound_only = saved is None and save_on_each_node
+    if saved is None:
+        saved = checkpoint_process_count(checkpoint)
+    if saved is None or saved == num_processes or (lower_bound_only and saved < num_processes):
+        return
+    fresh_start = fresh_start.replace("<checkpoint>", repr(checkpoint))
+    raise ValueError(
+        f"Cannot resume from {checkpoint}: it was saved by a run on {saved} process(es), and this run has "
+        f"{num_processes}. A checkpoint holds state per process that does not carry over to another number of "
+        "processes: each process's random-number state, each process's share of every batch (the global batch "
+        f"is per_device_train_batch_size x processes: resuming on {num_processes} would train the remaining "
+        "steps on other batches, from another position in the data) and, under DeepSpeed ZeRO, each process's "
+        f"partition of the optimizer state. Relaunch on {saved} process(es) (accelerate launch --num_processes "
+        f"{saved} ..., or torchrun --nproc_per_node {saved} ...) to resume it; or start a new run from its "
+        f"weights ({fresh_start}, without resume_from_checkpoint): the optimizer state and the step count then "
+        "start afresh."
+    )
 
 
 class AtomicCheckpointMixin(TrainerHooksMixin):

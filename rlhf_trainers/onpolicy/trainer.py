@@ -885,6 +885,8 @@ class OnPolicyTrainer(
                 raise ValueError(f"No checkpoint found in output_dir={args.output_dir!r} to resume from.")
         elif resume_from_checkpoint is False:
             resume_from_checkpoint = None
+        if resume_from_checkpoint is not None:
+            self._check_resume_process_count(resume_from_checkpoint)
         self.is_in_train = True
         self.interrupted = False
         apply_host_memory_settings(self)
