@@ -4,10 +4,10 @@ processes").
 
 The unit tests read the process count of a checkpoint (recorded in ``onpolicy_state.json``, or told by the
 RNG-state files ``Trainer`` writes per process) and check the refusal in one process. The multi-process
-tests make real checkpoints: 2 DDP ranks -> 1 process, 1 process -> 2 DDP ranks, and 2 ZeRO-2 ranks -> 1
-ZeRO-2 process (without the check, DDP resumes quietly with the RNG states not restored and other batches,
-and DeepSpeed fails later on its optimizer partitions). Wall times on 2 shared cores: 32-34 s for each
-launching test (once 119 s for the ZeRO-2 one, with other jobs on the machine), 1-3 s for the others.
+tests make real RLOO checkpoints: 2 DDP ranks -> 1 process, 1 process -> 2 DDP ranks, 2 ZeRO-2 ranks -> 1
+ZeRO-2 process and the same for ZeRO-3 (without the check, DDP resumes quietly with the RNG states not
+restored and other batches, and DeepSpeed fails later on its optimizer partitions). Wall times on 2 shared
+cores: 21-34 s for each launching test (once 119 s, with other jobs on the machine), 1-3 s for the others.
 """
 
 from __future__ import annotations
@@ -154,12 +154,13 @@ def test_a_ddp_checkpoint_of_2_processes_is_refused_on_1_and_one_of_1_on_2(kit, 
 @pytest.mark.multiprocess
 @pytest.mark.deepspeed
 @requires_deepspeed
-def test_a_zero2_checkpoint_of_2_processes_is_refused_on_1(kit, tmp_path):
-    _launch_rloo(kit, tmp_path / "two", "--save_steps", "2", deepspeed="zero2")
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_zero_checkpoint_of_2_processes_is_refused_on_1(kit, tmp_path, stage):
+    _launch_rloo(kit, tmp_path / "two", "--save_steps", "2", deepspeed=stage)
     checkpoint = tmp_path / "two" / "checkpoint-2"
     assert (checkpoint / "global_step8").is_dir()  # the engine's partitioned checkpoint (4 steps per update)
     with pytest.raises(AssertionError) as failed:
         _launch_rloo(
-            kit, tmp_path / "one", "--resume_from_checkpoint", checkpoint, num_processes=1, deepspeed="zero2"
+            kit, tmp_path / "one", "--resume_from_checkpoint", checkpoint, num_processes=1, deepspeed=stage
         )
     assert "saved by a run on 2 process(es), and this run has 1" in str(failed.value)
