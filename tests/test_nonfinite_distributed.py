@@ -10,7 +10,9 @@ step); the learning-rate schedule moves on over skipped steps as on one process;
 ``max_nonfinite_steps``' ``FloatingPointError`` on every rank at the first optimizer step of step 5 past the
 limit (RLOO: limit 4, the 5th consecutive step; reward: limit 1, the 2nd), with the weights of step 4.
 
-Wall times on 2 shared cores (DeepSpeed's comm op compiled): 18-33 s per launch.
+ZeRO-2 and ZeRO-3 run in fp32 and in bf16 (the engine's bf16 mode, on the CPU too).
+
+Wall times on 2 shared cores (DeepSpeed's comm op compiled): 10-23 s per launch.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from distributed import read_rank_results, requires_deepspeed, run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
+_DEEPSPEED = [pytest.mark.deepspeed, requires_deepspeed]
+#: (accelerate config, bf16): DDP in fp32; ZeRO-2/3 in fp32 and bf16 (DeepSpeed's bf16 runs on the CPU too)
 MODES = [
-    pytest.param(None, id="ddp"),
-    pytest.param("zero2", id="zero2", marks=[pytest.mark.deepspeed, requires_deepspeed]),
-    pytest.param("zero3", id="zero3", marks=[pytest.mark.deepspeed, requires_deepspeed]),
+    pytest.param(None, False, id="ddp"),
+    pytest.param("zero2", False, id="zero2", marks=_DEEPSPEED),
+    pytest.param("zero3", False, id="zero3", marks=_DEEPSPEED),
+    pytest.param("zero2", True, id="zero2-bf16", marks=_DEEPSPEED),
+    pytest.param("zero3", True, id="zero3-bf16", marks=_DEEPSPEED),
 ]
 #: trainer -> (optimizer steps per step, max_nonfinite_steps)
 TRAINERS = {"rloo": (4, 4), "reward": (1, 1)}
@@ -31,9 +37,9 @@ LEARNING_RATE, MAX_STEPS = 2e-3, 6
 
 
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("mode", "bf16"), MODES)
 def test_nonfinite_steps_on_one_rank_are_skipped_on_every_rank_counted_and_limited(
-    kit, tmp_path, trainer, mode
+    kit, tmp_path, trainer, mode, bf16
 ):
     per_step, limit = TRAINERS[trainer]
     out = tmp_path / "out"
@@ -42,6 +48,7 @@ def test_nonfinite_steps_on_one_rank_are_skipped_on_every_rank_counted_and_limit
         [
             *("--output_dir", out, "--trainer", trainer, "--max_steps", MAX_STEPS),
             *("--nan_at", "2,4,5", "--max_nonfinite_steps", limit),
+            *(["--bf16"] if bf16 else []),
         ],
         deepspeed=mode,
         env={"RLHF_TRAINERS_KIT_DIR": str(kit.root)},
@@ -51,6 +58,7 @@ def test_nonfinite_steps_on_one_rank_are_skipped_on_every_rank_counted_and_limit
     for r in results:
         assert r["distributed_type"] == ("DistributedType.DEEPSPEED" if mode else "DistributedType.MULTI_CPU")
         assert r["zero_stage"] == {None: None, "zero2": 2, "zero3": 3}[mode]
+        assert r["engine_bf16"] == (bf16 if mode else None)
         # stopped in step 5, at its optimizer step that went past the limit, with step 4's weights
         assert r["global_step"] == 4
         assert (

@@ -27,6 +27,7 @@ from distributed import gathered, parameter_digest, write_rank_result
 from transformers import TrainerCallback
 
 from rlhf_trainers import RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
+from rlhf_trainers.compat import deepspeed_training_engine
 from rlhf_trainers.testing import get_kit, true_reward
 
 
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=6)
     parser.add_argument("--nan_at", default="", help="comma-separated 1-based steps with NaN on rank 0")
     parser.add_argument("--max_nonfinite_steps", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="train in bf16 (TrainingArguments.bf16)")
     parser.add_argument("--dump_stacks_after", type=float, default=300)
     cli = parser.parse_args()
     faulthandler.dump_traceback_later(cli.dump_stacks_after, exit=True)  # a deadlock shows where it waits
@@ -87,6 +89,7 @@ def main() -> None:
         "seed": 0,
         "use_cpu": True,
         "max_nonfinite_steps": cli.max_nonfinite_steps,
+        "bf16": cli.bf16,
     }
     if cli.trainer == "rloo":
         trainer = RLOOTrainer(
@@ -123,6 +126,7 @@ def main() -> None:
     except FloatingPointError as exc:
         error = str(exc)
     history = [h for h in trainer.state.log_history if "train/nonfinite_steps_skipped" in h]
+    engine = deepspeed_training_engine(trainer.accelerator)
     state = trainer.accelerator.state
     write_rank_result(
         cli.output_dir,
@@ -138,6 +142,7 @@ def main() -> None:
             "lr": {str(h["step"]): h.get("lr", h.get("learning_rate")) for h in history},
             "error": error,
             "global_step": trainer.state.global_step,
+            "engine_bf16": engine.bfloat16_enabled() if engine is not None else None,
         },
     )
 
