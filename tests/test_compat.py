@@ -315,6 +315,19 @@ def test_zero_optimizers_still_report_skipped_steps_where_the_guard_looks() -> N
 
     optimizer = Zero12()
     assert compat.zero_optimizer_skips_nonfinite_steps(optimizer) and optimizer.check_grad_overflow
+    # bf16 without its overflow check: the norm does not decide there, the scan is turned on
+    bf16 = Zero12()
+    bf16.compute_grad_norm, bf16.dtype = True, torch.bfloat16
+    assert compat.zero_optimizer_skips_nonfinite_steps(bf16) and bf16.check_grad_overflow
+    # fp32 with its norm: left as it is
+    fp32 = Zero12()
+    fp32.compute_grad_norm, fp32.dtype = True, torch.float32
+    assert compat.zero_optimizer_skips_nonfinite_steps(fp32) and not fp32.check_grad_overflow
+    # (the condition under which ZeRO-1/2's norm decides, whitespace aside)
+    step_source = " ".join(inspect.getsource(stage2.DeepSpeedZeroOptimizer.step).split())
+    assert (
+        "(self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm" in step_source
+    )
     assert not compat.zero_optimizer_skips_nonfinite_steps(torch.optim.SGD([nn.Parameter(torch.ones(1))]))
 
 
