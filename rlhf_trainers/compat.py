@@ -129,6 +129,33 @@ def forget_evaluation_preparation(accelerator: Accelerator, model: nn.Module) ->
     accelerator._models[:] = [m for m in accelerator._models if m is not model]
 
 
+def deepspeed_training_engine(accelerator: Accelerator) -> Any:
+    """The ``DeepSpeedEngine`` that ``accelerator.prepare`` made for training (accelerate keeps it in
+    ``deepspeed_engine_wrapped``), or None before that or without DeepSpeed."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return getattr(wrapped, "engine", None)
+
+
+def zero_optimizer_skips_nonfinite_steps(optimizer: Any) -> bool:
+    """Whether DeepSpeed's ``optimizer`` (the one its engine steps) skips a step with NaN or inf gradients
+    by itself, and reports it in its ``overflow`` flag (the engine's ``was_step_applied()``): the ZeRO
+    optimizers of stages 1-3 and the fp16 ones do. ZeRO-1/2 finds such a step through its global gradient
+    norm, except in bf16, or through its scan of the partitioned gradients (``check_grad_overflow``, on for
+    fp16 and, by default, bf16). Where neither would run (``zero_optimization.compute_grad_norm=false``, or
+    bf16 with ``bf16.check_grad_overflow=false``) the scan is turned on here."""
+    if not hasattr(optimizer, "overflow"):
+        return False
+    if getattr(optimizer, "check_grad_overflow", True) is False:
+        import torch
+
+        norm_decides = getattr(optimizer, "compute_grad_norm", True) and (
+            getattr(optimizer, "dtype", None) != torch.bfloat16
+        )
+        if not norm_decides:
+            optimizer.check_grad_overflow = True
+    return True
+
+
 def is_prepared(model: nn.Module) -> bool:
     """Whether accelerate has marked ``model`` as prepared (for training or, after ``evaluate()``, for
     evaluation only)."""

@@ -14,6 +14,7 @@ import errno
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -21,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compat import TrainerHooksMixin
+from .compat import TrainerHooksMixin, deepspeed_training_engine, zero_optimizer_skips_nonfinite_steps
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +83,11 @@ class ReliabilityArguments:
             "help": "An optimizer step whose gradients hold NaN or inf is skipped (weights and optimizer state "
             "untouched) and counted in train/nonfinite_steps_skipped; at most this many consecutive steps are "
             "skipped, the next non-finite one stops training with an error naming the likely causes. 0 stops "
-            "at the first one. (Not applied under DeepSpeed, whose engine owns the step.) With gradient "
-            "clipping on (`max_grad_norm > 0`) a finite clipping norm proves the gradients finite, so the "
-            "check costs nothing more; without it each gradient is summed once (and scanned entry by entry "
-            "only if its sum is not finite)."
+            "at the first one. With gradient clipping on (`max_grad_norm > 0`) a finite clipping norm proves "
+            "the gradients finite, so the check costs nothing more; without it each gradient is summed once "
+            "(and scanned entry by entry only if its sum is not finite). Under DeepSpeed ZeRO the engine's own "
+            "check decides (a non-finite global gradient norm, on every rank alike) and the guard counts and "
+            "limits its skipped steps; under fp16 the loss scaler's skips are not counted."
         },
     )
 
@@ -175,6 +177,56 @@ def fsync_tree(path: str) -> int:
         fsync_dir(folder)
         count += 1
     return count
+
+
+def checkpoint_process_count(checkpoint: str) -> int | None:
+    """How many processes wrote ``checkpoint``, as its RNG-state files tell (``Trainer`` writes
+    ``rng_state.pth`` on one process, ``rng_state_<process index>.pth`` on several): the highest index + 1;
+    None when it holds neither. (With ``save_on_each_node`` a node's checkpoint holds only its own
+    processes' files: the count is then a lower bound.)"""
+    try:
+        names = os.listdir(checkpoint)
+    except OSError:
+        return None
+    indices = [int(m.group(1)) for m in (re.fullmatch(r"rng_state_(\d+)\.pth", n) for n in names) if m]
+    if indices:
+        return max(indices) + 1
+    return 1 if "rng_state.pth" in names else None
+
+
+def check_resume_process_count(
+    checkpoint: str,
+    num_processes: int,
+    *,
+    saved: int | None = None,
+    save_on_each_node: bool = False,
+    fresh_start: str = "model=<checkpoint>",
+) -> None:
+    """ValueError when ``checkpoint`` was saved by a run on another number of processes than
+    ``num_processes``: ``saved`` where the checkpoint records it, else :func:`checkpoint_process_count`.
+
+    A checkpoint holds state per process that does not map onto another number of them: each process's
+    random-number state, each process's share of every batch (the global batch is per-device batch x
+    processes, so the remaining steps would train on other batches, from another position in the data) and,
+    under DeepSpeed ZeRO, each process's partition of the optimizer state. ``fresh_start`` says how to start
+    a new run from the checkpoint's weights instead (the trainer's arguments)."""
+    lower_bound_only = saved is None and save_on_each_node
+    if saved is None:
+        saved = checkpoint_process_count(checkpoint)
+    if saved is None or saved == num_processes or (lower_bound_only and saved < num_processes):
+        return
+    fresh_start = fresh_start.replace("<checkpoint>", repr(checkpoint))
+    raise ValueError(
+        f"Cannot resume from {checkpoint}: it was saved by a run on {saved} process(es), and this run has "
+        f"{num_processes}. A checkpoint holds state per process that does not carry over to another number of "
+        "processes: each process's random-number state, each process's share of every batch (the global batch "
+        f"is per_device_train_batch_size x processes: resuming on {num_processes} would train the remaining "
+        "steps on other batches, from another position in the data) and, under DeepSpeed ZeRO, each process's "
+        f"partition of the optimizer state. Relaunch on {saved} process(es) (accelerate launch --num_processes "
+        f"{saved} ..., or torchrun --nproc_per_node {saved} ...) to resume it; or start a new run from its "
+        f"weights ({fresh_start}, without resume_from_checkpoint): the optimizer state and the step count then "
+        "start afresh."
+    )
 
 
 class AtomicCheckpointMixin(TrainerHooksMixin):
@@ -306,12 +358,21 @@ class InterruptHandler:
 
 
 class NonFiniteStepGuard:
-    """An optimizer step-pre-hook that skips a step whose gradients are not finite.
+    """Skips optimizer steps whose gradients are not finite, counts them, and stops training after
+    ``max_consecutive`` consecutive ones.
 
-    Skipping is done by dropping the gradients (``p.grad = None``) before ``step()``: torch optimizers
-    leave a parameter without a gradient untouched (no update, no weight decay, no change to its moment
-    estimates or step count). Under DDP the gradients are the same on every rank after their all-reduce,
-    so every rank makes the same decision."""
+    Without DeepSpeed (:meth:`attach`): an optimizer step-pre-hook drops the gradients (``p.grad = None``)
+    before ``step()``: torch optimizers leave a parameter without a gradient untouched (no update, no
+    weight decay, no change to its moment estimates or step count). Under DDP the gradients are the same on
+    every rank after their all-reduce, so every rank makes the same decision.
+
+    Under DeepSpeed ZeRO (:meth:`attach_engine`): the gradients are partitioned between the ranks and the
+    engine steps inside ``backward``. Its ZeRO optimizer already refuses a step whose global gradient norm
+    (over every rank's partition, all-reduced) is NaN or inf, or whose partitions hold one (its overflow
+    check, all-reduced too): it clears the gradients and leaves weights, moments and step counts as they
+    were, on every rank alike. The guard reads that decision after each step
+    (:meth:`after_engine_step`), counts it and applies the same limit. The learning-rate schedule moves on
+    over a skipped step, as it does without DeepSpeed (see :func:`reliability_callback`)."""
 
     def __init__(self, max_consecutive: int) -> None:
         self.max_consecutive = max_consecutive
@@ -319,6 +380,8 @@ class NonFiniteStepGuard:
         self.consecutive = 0
         self._handle: Any = None
         self._norm_finite = False
+        self._engine: Any = None
+        self._engine_steps = 0
 
     def note_grad_norm(self, norm: float) -> None:
         """Tell the guard the total gradient norm of the step about to be taken (e.g. the one gradient
@@ -352,10 +415,72 @@ class NonFiniteStepGuard:
         if self._handle is None and hasattr(inner, "register_step_pre_hook"):
             self._handle = inner.register_step_pre_hook(self._pre_step)
 
+    def attach_engine(self, engine: Any) -> str:
+        """Apply the guard to the steps of the DeepSpeed ``engine`` (a ``DeepSpeedEngine``, prepared for
+        training). Returns how: ``"engine"`` (a ZeRO optimizer or another that skips non-finite steps
+        itself: its decisions are counted by :meth:`after_engine_step`), ``"optimizer"`` (the engine steps
+        a plain torch optimizer on whole gradients, ZeRO stage 0: the step-pre-hook of :meth:`attach`),
+        ``"loss_scaler"`` (fp16: the loss scaler skips overflowing steps and adjusts its scale; those
+        skips are its calibration, not counted, as ``torch.amp.GradScaler``'s are not without DeepSpeed)
+        or ``"none"`` (no way to see the decision; a warning is logged)."""
+        optimizer = getattr(engine, "optimizer", None)
+        if engine.fp16_enabled():
+            return "loss_scaler"
+        if zero_optimizer_skips_nonfinite_steps(optimizer):
+            self._engine = engine
+            self._engine_steps = engine.global_steps
+            return "engine"
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            self.attach(optimizer)
+            return "optimizer"
+        logger.warning(
+            "max_nonfinite_steps does not apply to this DeepSpeed engine (its optimizer %s neither skips "
+            "non-finite steps itself nor is a torch optimizer); steps with NaN or inf gradients are not "
+            "skipped.",
+            type(optimizer).__name__,
+        )
+        return "none"
+
+    def after_engine_step(self) -> bool:
+        """Count the step the engine of :meth:`attach_engine` just took, if it took one since the last
+        call: skipped (``was_step_applied()`` false at a step boundary) or applied. Call it after each
+        optimizer step (``on_optimizer_step``); every rank reads the same, all-reduced, decision. Returns
+        whether a step was skipped (raises ``FloatingPointError`` past the limit instead)."""
+        engine = self._engine
+        if engine is None or engine.global_steps == self._engine_steps:
+            return False
+        self._engine_steps = engine.global_steps
+        applied = bool(engine.was_step_applied())
+        if not applied and getattr(engine, "lr_scheduler", None) is not None:
+            # An engine that holds the schedule (a DeepSpeed "scheduler" section) holds it back over a
+            # skipped step; without DeepSpeed it moves on.
+            engine.lr_scheduler.step()
+        self.record_step(applied)
+        return not applied
+
+    def record_step(self, finite: bool) -> None:
+        """Count one optimizer step: ``finite`` resets the consecutive count; a skipped one adds to
+        :attr:`skipped` and :attr:`consecutive` and raises ``FloatingPointError`` past the limit."""
+        if finite:
+            self.consecutive = 0
+            return
+        self.skipped += 1
+        self.consecutive += 1
+        if self.consecutive > self.max_consecutive:
+            raise FloatingPointError(
+                f"{self.consecutive} consecutive optimizer steps had NaN or inf gradients (limit "
+                f"max_nonfinite_steps={self.max_consecutive}); training stopped with the weights of the last "
+                "finite step. Likely causes: a learning rate too high for this model; fp16 overflow (use bf16 or "
+                "fp32); rewards of a very large scale (set reward_scaling or reward_clip, or normalize the "
+                "reward model); NaN in the inputs or the reward model; max_grad_norm=0 with exploding "
+                "gradients (set max_grad_norm=1.0)."
+            )
+
     def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self._engine = None
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         norm_finite, self._norm_finite = self._norm_finite, False
@@ -368,25 +493,22 @@ class NonFiniteStepGuard:
         if self.gradients_finite(grads):
             self.consecutive = 0
             return
-        self.skipped += 1
-        self.consecutive += 1
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
-        if self.consecutive > self.max_consecutive:
-            raise FloatingPointError(
-                f"{self.consecutive} consecutive optimizer steps had NaN or inf gradients (limit "
-                f"max_nonfinite_steps={self.max_consecutive}); training stopped with the weights of the last "
-                "finite step. Likely causes: a learning rate too high for this model; fp16 overflow (use bf16 or "
-                "fp32); rewards of a very large scale (set reward_scaling or reward_clip, or normalize the "
-                "reward model); NaN in the inputs or the reward model; max_grad_norm=0 with exploding "
-                "gradients (set max_grad_norm=1.0)."
-            )
+        self.record_step(False)
 
 
-def reliability_callback(trainer: Any) -> Any:
+def reliability_callback(trainer: Any, loop_holds_schedule_on_skip: bool = True) -> Any:
     """A ``TrainerCallback`` that gives ``trainer`` the behaviour of ``save_on_interrupt`` and
-    ``max_nonfinite_steps`` (see :class:`ReliabilityArguments`)."""
+    ``max_nonfinite_steps`` (see :class:`ReliabilityArguments`).
+
+    ``loop_holds_schedule_on_skip``: whether ``trainer``'s training loop leaves its learning-rate scheduler
+    alone after a step DeepSpeed skipped (``Trainer``'s loop does: it asks
+    ``accelerator.optimizer_step_was_skipped``, true then). The callback then steps the scheduler at the end
+    of that step, after the step's learning rate was read for the log, so the schedule moves on over a
+    skipped step under DeepSpeed as it does without it. A loop that steps its scheduler anyway (the
+    on-policy engine's) passes False."""
     from transformers import TrainerCallback
 
     class ReliabilityCallback(TrainerCallback):
@@ -397,15 +519,29 @@ def reliability_callback(trainer: Any) -> Any:
             self.interrupt = InterruptHandler()
             self.guard = NonFiniteStepGuard(getattr(trainer.args, "max_nonfinite_steps", 3))
             self.installed = False
+            self.schedule_behind = 0  # scheduler steps the loop held back over skipped steps
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.interrupt.received = None
             if getattr(args, "save_on_interrupt", False):
                 self.installed = self.interrupt.install()
-            if trainer.optimizer is not None and not trainer.is_deepspeed_enabled:
+            if trainer.optimizer is None:
+                return
+            if trainer.is_deepspeed_enabled:
+                engine = deepspeed_training_engine(trainer.accelerator)
+                if engine is not None:
+                    self.guard.attach_engine(engine)
+            else:
                 self.guard.attach(trainer.optimizer)
 
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.guard.after_engine_step() and loop_holds_schedule_on_skip:
+                self.schedule_behind += 1
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            while self.schedule_behind:
+                self.schedule_behind -= 1
+                trainer.lr_scheduler.step()
             if not self.installed:
                 return
             stop = self.interrupt.received is not None

@@ -279,6 +279,58 @@ def test_zero3_offload_still_has_the_method_that_registers_its_hooks() -> None:
     assert registered == [offload.module]
 
 
+def test_accelerate_keeps_the_deepspeed_engine_where_compat_looks() -> None:
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    # prepare() under DeepSpeed keeps the training engine there (the attribute exists under DeepSpeed only)
+    assert "self.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)" in inspect.getsource(
+        Accelerator._prepare_deepspeed
+    )
+    accelerator = Accelerator(cpu=True)
+    assert compat.deepspeed_training_engine(accelerator) is None
+    engine = object()
+    accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
+    assert compat.deepspeed_training_engine(accelerator) is engine
+
+
+def test_zero_optimizers_still_report_skipped_steps_where_the_guard_looks() -> None:
+    stage2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    # the flags the ZeRO-1/2 optimizer takes, and the overflow flag both ZeRO optimizers set in step()
+    parameters = inspect.signature(stage2.DeepSpeedZeroOptimizer.__init__).parameters
+    assert "check_grad_overflow" in parameters and "compute_grad_norm" in parameters
+    for optimizer in (stage2.DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        assert "self.overflow = True" in inspect.getsource(optimizer), optimizer.__name__
+    # what the engine exposes of a step
+    for name in ("was_step_applied", "fp16_enabled"):
+        assert callable(getattr(DeepSpeedEngine, name))
+    assert "self.global_steps += 1" in inspect.getsource(DeepSpeedEngine._take_model_step)
+
+    class Zero12:
+        overflow = False
+        compute_grad_norm = False
+        check_grad_overflow = False
+
+    optimizer = Zero12()
+    assert compat.zero_optimizer_skips_nonfinite_steps(optimizer) and optimizer.check_grad_overflow
+    # bf16 without its overflow check: the norm does not decide there, the scan is turned on
+    bf16 = Zero12()
+    bf16.compute_grad_norm, bf16.dtype = True, torch.bfloat16
+    assert compat.zero_optimizer_skips_nonfinite_steps(bf16) and bf16.check_grad_overflow
+    # fp32 with its norm: left as it is
+    fp32 = Zero12()
+    fp32.compute_grad_norm, fp32.dtype = True, torch.float32
+    assert compat.zero_optimizer_skips_nonfinite_steps(fp32) and not fp32.check_grad_overflow
+    # (the condition under which ZeRO-1/2's norm decides, whitespace aside)
+    step_source = " ".join(inspect.getsource(stage2.DeepSpeedZeroOptimizer.step).split())
+    assert (
+        "(self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm" in step_source
+    )
+    assert not compat.zero_optimizer_skips_nonfinite_steps(torch.optim.SGD([nn.Parameter(torch.ones(1))]))
+
+
 def test_transformers_marks_a_model_with_a_loaded_adapter_where_compat_looks() -> None:
     from transformers.integrations.peft import PeftAdapterMixin
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..models import _is_peft_model
+from ..reliability import check_resume_process_count
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,31 @@ class CheckpointMixin:
                     for name, values in self._log_buffer.items()
                 },
                 "nonfinite_steps": {"skipped": guard.skipped, "consecutive": guard.consecutive},
+                # a resume on another number of processes is refused (check_resume_process_count)
+                "num_processes": self.accelerator.num_processes,
             }
             with open(path, "w") as fh:
                 json.dump(state, fh, indent=2)
+
+    def _check_resume_process_count(self, checkpoint: str) -> None:
+        """ValueError, before anything is loaded, when ``checkpoint`` was saved on another number of
+        processes (``num_processes`` of ``onpolicy_state.json``, or for checkpoints without it the RNG-state
+        files): see :func:`~rlhf_trainers.reliability.check_resume_process_count`."""
+        saved = None
+        path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
+        if os.path.isfile(path):
+            with open(path) as fh:
+                saved = json.load(fh).get("num_processes")
+        fresh_start = "model=<checkpoint>"
+        if self.value_model is not None:
+            fresh_start += f", value_model=os.path.join(<checkpoint>, {VALUE_MODEL_DIR!r})"
+        check_resume_process_count(
+            checkpoint,
+            self.accelerator.num_processes,
+            saved=saved,
+            save_on_each_node=self.args.save_on_each_node,
+            fresh_start=fresh_start,
+        )
 
     def _load_onpolicy_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)

@@ -181,7 +181,8 @@ class OnPolicyTrainer(
         self._ratio_warned = False
         #: True when the last train() stopped early on SIGTERM/SIGINT (``save_on_interrupt``).
         self.interrupted = False
-        self._reliability = reliability_callback(self)
+        # (the engine steps its learning-rate schedule itself, skipped optimizer steps included)
+        self._reliability = reliability_callback(self, loop_holds_schedule_on_skip=False)
         self.add_callback(self._reliability)
 
     def _checked_args(self, args: OnPolicyConfig | None) -> OnPolicyConfig:
@@ -538,7 +539,11 @@ class OnPolicyTrainer(
                     # The clipping norm covers the parameters the optimizer steps: when it is finite the
                     # non-finite-step guard need not scan every gradient again.
                     self._reliability.guard.note_grad_norm(grad_norms[-1])
+                # (under DeepSpeed the engine stepped in the last backward; the callbacks hear it here, as
+                # in Trainer's loop, and the non-finite guard counts a step the engine skipped)
+                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self.optimizer.step()
+                self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
                 if self.steps_per_update > 1:
                     self.lr_scheduler.step()  # a step is an optimizer step: the schedule moves with each
                 model.zero_grad()
@@ -902,6 +907,8 @@ class OnPolicyTrainer(
                 raise ValueError(f"No checkpoint found in output_dir={args.output_dir!r} to resume from.")
         elif resume_from_checkpoint is False:
             resume_from_checkpoint = None
+        if resume_from_checkpoint is not None:
+            self._check_resume_process_count(resume_from_checkpoint)
         self.is_in_train = True
         self.interrupted = False
         apply_host_memory_settings(self)

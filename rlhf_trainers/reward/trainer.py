@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as torch_F
 from transformers import PreTrainedTokenizerBase, Trainer
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..compat import EvaluateBeforeTrainMixin, prepare_inputs
 from ..cpu_speedups import apply_host_memory_settings
@@ -35,7 +36,7 @@ from ..models import (
     tokenizer_of,
     write_reward_normalization,
 )
-from ..reliability import AtomicCheckpointMixin, reliability_callback
+from ..reliability import AtomicCheckpointMixin, check_resume_process_count, reliability_callback
 from ..reward_sources import Prompt, compute_reward_normalization
 from .config import RewardConfig
 
@@ -401,7 +402,19 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         return policy, tokenizer
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``, with the reward normalization before and/or after when configured."""
+        """``Trainer.train``, with the reward normalization before and/or after when configured. A checkpoint
+        saved on another number of processes is refused before anything is loaded
+        (:func:`~rlhf_trainers.reliability.check_resume_process_count`)."""
+        resume = args[0] if args else kwargs.get("resume_from_checkpoint")
+        if resume is True:
+            resume = get_last_checkpoint(self.args.output_dir)
+        if isinstance(resume, (str, os.PathLike)):
+            # before Trainer loads anything (DeepSpeed would fail on the ZeRO partitions, DDP go on quietly)
+            check_resume_process_count(
+                os.fspath(resume),
+                self.accelerator.num_processes,
+                save_on_each_node=self.args.save_on_each_node,
+            )
         when = self.args.reward_normalization
         if when in ("before", "before_and_after") and not kwargs.get("resume_from_checkpoint") and not args:
             self.normalize_rewards()
