@@ -89,6 +89,10 @@ INVALID: list[tuple[str, Any]] = [
     ("num_iterations", 0),
     ("num_generations", 1),
     ("temperature", 0.0),
+    ("padding_free", "false"),  # a truthy string: on/off fields must be booleans
+    ("balance_batch", 1),
+    ("dynamic_sampling", "true"),
+    ("use_vllm", "no"),
 ]
 
 
