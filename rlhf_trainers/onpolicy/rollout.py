@@ -13,6 +13,7 @@ Evaluation runs 2 and 3 (:meth:`RolloutSteps.sample_and_score`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -413,30 +414,21 @@ class RolloutSteps:
         packing = packing if self._pack_ref else None
         if self.ref_model is None:
             # PEFT: the reference is the same weights with the adapter disabled (no second copy).
-            with self.policy.disable_adapter():
-                return response_logprobs(
-                    self.policy,
-                    ids,
-                    mask,
-                    positions,
-                    response,
-                    options,
-                    fused_head=self._fused_ref,
-                    with_entropy=False,
-                    packing=packing,
-                )[0]
-        forward = self._ref_forward or self.ref_model
-        return response_logprobs(
-            forward,
-            ids,
-            mask,
-            positions,
-            response,
-            options,
-            fused_head=self._fused_ref,
-            with_entropy=False,
-            packing=packing,
-        )[0]
+            forward, context = self.policy, self.policy.disable_adapter()
+        else:
+            forward, context = self._ref_forward or self.ref_model, contextlib.nullcontext()
+        with context:
+            return response_logprobs(
+                forward,
+                ids,
+                mask,
+                positions,
+                response,
+                options,
+                fused_head=self._fused_ref,
+                with_entropy=False,
+                packing=packing,
+            )[0]
 
     def rollout_logprobs(
         self, samples: SampledResponses, timings: dict[str, float] | None = None
