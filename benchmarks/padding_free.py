@@ -42,18 +42,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from onpolicy_memory import _reset_rss_high_water, _rss_bytes  # benchmarks/ is on sys.path
+
 SIZES = ("tiny", "smollm2-135m")
 ALGORITHMS = ("ppo", "rloo")
 MODES = ("padded", "padding_free")
-
-
-def _rss_bytes() -> int:
-    """Current resident set size (Linux ``/proc/self/statm``; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def _high_water_bytes() -> int:
@@ -66,14 +59,6 @@ def _high_water_bytes() -> int:
     except OSError:
         pass
     return 0
-
-
-def _reset_high_water() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
 
 
 def _build(args: argparse.Namespace, padding_free: bool):
@@ -172,7 +157,7 @@ def _child(args: argparse.Namespace) -> None:
     def measured(name, fn):
         def run(*a, **kw):
             before = _rss_bytes()
-            _reset_high_water()
+            _reset_rss_high_water()
             began = time.perf_counter()
             out = fn(*a, **kw)
             seconds = time.perf_counter() - began
