@@ -61,13 +61,43 @@ def _high_water_bytes() -> int:
     return 0
 
 
+def trainer_for(algorithm: str, model, tokenizer, dataset, reward, *, rloo_k: int, **config):
+    """The PPO or RLOO trainer of the benchmark's job: one mini-batch, one epoch, temperature 1, nothing
+    saved, the policy pass run in both modes (in float32 the padded path would reuse generation's
+    log-probs); ``config`` holds the batch sizes, lengths, device and ``padding_free``."""
+    from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        temperature=1.0,
+        learning_rate=1e-6,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        num_sample_generations=0,
+        disable_tqdm=True,
+        rollout_logprobs="forward",
+        **config,
+    )
+    if algorithm == "ppo":
+        args = PPOConfig(**common)
+        return PPOTrainer(
+            model=model, processing_class=tokenizer, args=args, train_dataset=dataset, reward_funcs=reward
+        )
+    args = RLOOConfig(rloo_k=rloo_k, **common)
+    return RLOOTrainer(
+        model=model, processing_class=tokenizer, args=args, train_dataset=dataset, reward_funcs=reward
+    )
+
+
 def _build(args: argparse.Namespace, padding_free: bool):
     """The trainer of one run and its tokenizer."""
     import torch
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
     from rlhf_trainers.testing import get_kit, true_reward
 
     kit = get_kit()
@@ -82,44 +112,21 @@ def _build(args: argparse.Namespace, padding_free: bool):
         tokenizer = load_smollm2_tokenizer()
         policy.config.pad_token_id = tokenizer.pad_token_id
         policy.generation_config.pad_token_id = tokenizer.pad_token_id
-    k = args.rloo_k if args.algorithm == "rloo" else 1
-    common = dict(
-        output_dir=tempfile.mkdtemp(),
+    trainer = trainer_for(
+        args.algorithm,
+        policy,
+        tokenizer,
+        kit.prompt_dataset("train", n=1024),
+        true_reward,
+        rloo_k=args.rloo_k,
         per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.batch // args.micro_batch,
-        num_mini_batches=1,
-        num_ppo_epochs=1,
         response_length=args.response_length,
-        temperature=1.0,
-        learning_rate=1e-6,
         max_steps=args.updates,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
         use_cpu=True,
-        num_sample_generations=0,
-        disable_tqdm=True,
         seed=args.seed,
-        rollout_logprobs="forward",  # the policy pass runs in both modes (float32 would reuse generation's)
         padding_free=padding_free,
     )
-    prompts = kit.prompt_dataset("train", n=1024)
-    if args.algorithm == "ppo":
-        trainer = PPOTrainer(
-            model=policy,
-            processing_class=tokenizer,
-            args=PPOConfig(**common),
-            train_dataset=prompts,
-            reward_funcs=true_reward,
-        )
-    else:
-        trainer = RLOOTrainer(
-            model=policy,
-            processing_class=tokenizer,
-            args=RLOOConfig(rloo_k=k, **common),
-            train_dataset=prompts,
-            reward_funcs=true_reward,
-        )
     return trainer, tokenizer
 
 
@@ -128,10 +135,11 @@ def _cut(samples, generator, eos: int, pad: int):
     import torch
 
     n, R = samples.response.shape
-    lengths = torch.randint(2, R + 1, (n,), generator=generator)
-    keep = torch.arange(R)[None, :] < lengths[:, None]
+    device = samples.response.device
+    lengths = torch.randint(2, R + 1, (n,), generator=generator).to(device)
+    keep = torch.arange(R, device=device)[None, :] < lengths[:, None]
     response = samples.response.masked_fill(~keep, pad)
-    response[torch.arange(n), lengths - 1] = eos
+    response[torch.arange(n, device=device), lengths - 1] = eos
     samples.response, samples.response_mask, samples.lengths = response, keep, lengths
     return samples
 
@@ -203,50 +211,86 @@ def _child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result))
 
 
-def _child_interleaved(args: argparse.Namespace) -> None:
-    """Timing only, both modes in one process, alternating on the same samples (so that other work on
-    the machine slows both alike): per round, the rollout's forward passes and the training forward +
-    backward passes of the update's micro-batches (the loss of the algorithm, gradients zeroed after,
-    no optimizer step: the model stays the same), once padded and once packed, in alternating order."""
+def interleaved_rounds(
+    trainer,
+    tokenizer,
+    *,
+    updates: int,
+    seed: int,
+    micro_batch: int,
+    sync=None,
+    memory=None,
+) -> dict:
+    """Timing of both modes on the same samples, alternating which goes first: per round, the rollout's
+    forward passes and the training forward + backward passes of the update's micro-batches (the loss of
+    the algorithm, gradients zeroed after, no optimizer step: the model stays the same), once padded and
+    once packed. ``sync`` (e.g. ``torch.cuda.synchronize``) is called before each clock read; ``memory``,
+    a pair (reset, read) of callables, records the peak memory of each phase (``<mode>/<phase>/peak``).
+    Also records, from the first round, the largest |packed - padded| difference of the rollout's
+    log-probs (and values) over real response tokens. Returns the rounds and their medians."""
     import torch
 
-    trainer, tokenizer = _build(args, True)
+    sync = sync or (lambda: None)
+    # the training precision, as the update runs every pass (bf16/fp16 autocast; a no-op in fp32)
+    autocast = trainer.accelerator.autocast
     model = trainer.model
     flags = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
     rounds: list[dict[str, float]] = []
-    for round_ in range(args.updates):
-        generator = torch.Generator().manual_seed(args.seed * 1000 + round_)
-        with torch.no_grad():
+    differences: dict[str, float] = {}
+    for round_ in range(updates):
+        generator = torch.Generator().manual_seed(seed * 1000 + round_)
+        with torch.no_grad(), autocast():
             samples = trainer.sample_responses(trainer._prompt_batch(round_), trainer.completions_per_prompt)
         samples = _cut(samples, generator, tokenizer.eos_token_id, tokenizer.pad_token_id)
         record = {"tokens": float(samples.query_mask.sum() + samples.response_mask.sum())}
         modes = MODES if round_ % 2 == 0 else MODES[::-1]
         rollout = None
+        outputs = {}
         for mode in modes:
             on = mode == "padding_free"
             trainer._pack_policy, trainer._pack_ref, trainer._pack_values = (f and on for f in flags)
+            if memory:
+                memory[0]()
+            sync()
             began = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 passes = trainer.rollout_logprobs(samples)
+            sync()
             record[f"{mode}/rollout_passes"] = time.perf_counter() - began
+            if memory:
+                record[f"{mode}/rollout_passes/peak"] = memory[1]()
+            outputs[mode] = passes
             if rollout is None:
-                with torch.no_grad():
+                with torch.no_grad(), autocast():
                     rollout = trainer.assemble_rollout(samples, trainer.score_samples(samples), passes)
                 advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
+            if memory:
+                memory[0]()
+            sync()
             began = time.perf_counter()
-            for rows in torch.arange(rollout.response.shape[0]).split(args.micro_batch):
-                logprobs, values, entropy = trainer._training_forward(model, rollout, rows)
-                bonus = entropy if trainer.args.entropy_coeff else None
-                loss, _ = trainer.compute_policy_loss(
-                    rollout, advantages, rows, logprobs, values, entropy=bonus
-                )
+            for rows in torch.arange(rollout.response.shape[0]).split(micro_batch):
+                with autocast():
+                    logprobs, values, entropy = trainer._training_forward(model, rollout, rows)
+                    bonus = entropy if trainer.args.entropy_coeff else None
+                    loss, _ = trainer.compute_policy_loss(
+                        rollout, advantages, rows, logprobs, values, entropy=bonus
+                    )
                 loss.backward()
             model.zero_grad(set_to_none=True)
+            sync()
             record[f"{mode}/train_passes"] = time.perf_counter() - began
+            if memory:
+                record[f"{mode}/train_passes/peak"] = memory[1]()
+        if round_ == 0:
+            mask = samples.response_mask.to(outputs["padded"].logprobs.device)
+            for name in ("logprobs", "ref_logprobs", "values"):
+                a, b = getattr(outputs["padded"], name), getattr(outputs["padding_free"], name)
+                if a is not None:
+                    differences[name] = float((a - b).abs()[mask].max())
         rounds.append(record)
     trainer._pack_policy, trainer._pack_ref, trainer._pack_values = flags
     steady = rounds[1:] or rounds
-    result = {"size": args.size, "algorithm": args.algorithm, "rounds": rounds, "packed_models": list(flags)}
+    result = {"rounds": rounds, "packed_models": list(flags), "max_abs_difference_round_0": differences}
     for phase in ("rollout_passes", "train_passes"):
         result[phase] = {
             mode: {
@@ -257,10 +301,26 @@ def _child_interleaved(args: argparse.Namespace) -> None:
             }
             for mode in MODES
         }
+        if memory:
+            for mode in MODES:
+                result[phase][mode]["peak_max"] = max(r[f"{mode}/{phase}/peak"] for r in steady)
         # Paired: each round's padded time over its packed time (the same samples, moments apart).
         result[phase]["speedup_median"] = statistics.median(
             r[f"padded/{phase}"] / r[f"padding_free/{phase}"] for r in steady
         )
+    return result
+
+
+def _child_interleaved(args: argparse.Namespace) -> None:
+    """Timing only, both modes in one process, alternating on the same samples (so that other work on
+    the machine slows both alike): :func:`interleaved_rounds`."""
+    trainer, tokenizer = _build(args, True)
+    result = {"size": args.size, "algorithm": args.algorithm}
+    result.update(
+        interleaved_rounds(
+            trainer, tokenizer, updates=args.updates, seed=args.seed, micro_batch=args.micro_batch
+        )
+    )
     print("RESULT " + json.dumps(result))
 
 

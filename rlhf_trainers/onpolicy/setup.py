@@ -317,9 +317,14 @@ class SetupSteps:
 
     def _prepare_frozen_models(self) -> None:
         """Place the reference and reward models; under DeepSpeed ZeRO-3 wrap them in inference engines so
-        their weights are partitioned like the trained ones."""
+        their weights are partitioned like the trained ones. Under DeepSpeed ZeRO-1/2 also place the
+        trained policy (and value model): ``transformers.Trainer`` leaves that to DeepSpeed's engine, which
+        starts in ``train()``, so ``evaluate()`` before ``train()`` would generate with weights on the
+        CPU and inputs on the GPU (the engine moves them to the same device anyway)."""
         self._fill_deepspeed_bucket_sizes()
         device = self.accelerator.device
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage < 3:
+            self.model.to(device)
         self._ref_forward: Callable[..., Any] | None = None
         self._reward_forward: Callable[..., Any] | None = None
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
