@@ -155,6 +155,7 @@ def score_texts(
     add_eos: bool = True,
     normalize: bool = True,
     forward: Callable[..., Any] | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Rewards (N,) float32 of full texts (prompt + completion), read at the last real token.
 
@@ -162,13 +163,17 @@ def score_texts(
     ``add_eos``, the start cut when longer than ``max_length``). With ``normalize`` the stored gain and
     bias are applied. ``forward`` replaces ``model.__call__`` (e.g. a DeepSpeed engine). A tokenizer pad id
     past the model's embedding table is replaced by 0 (:func:`rlhf_trainers.models.pooled_scores`).
+    ``padding_free`` runs each batch's real tokens packed, as :func:`score_ids` does (for a model that
+    passes :func:`rlhf_trainers.packing.padding_free_matches` and has a
+    :func:`rlhf_trainers.packing.packed_score_head`; ignored with ``forward``).
     """
     device = next(model.parameters()).device
     gain, bias = get_reward_normalization(model) if normalize else (1.0, 0.0)
     call = forward or model
     gather = gathered(model) if forward is None else contextlib.nullcontext()
+    packed = padding_free and forward is None
     with gather:
-        scores = _score_batches(model, call, tokenizer, texts, batch_size, max_length, add_eos, device)
+        scores = _score_batches(model, call, tokenizer, texts, batch_size, max_length, add_eos, device, packed)
     raw = torch.cat(scores) if scores else torch.zeros(0)
     return raw * gain + bias
 
@@ -182,6 +187,7 @@ def _score_batches(
     max_length: int | None,
     add_eos: bool,
     device: torch.device,
+    packed: bool = False,
 ) -> list[torch.Tensor]:
     eos = tokenizer.eos_token_id
     scores = []
@@ -197,9 +203,12 @@ def _score_batches(
         for row, x in enumerate(ids):
             input_ids[row, : len(x)] = torch.tensor(x)
             attention[row, : len(x)] = 1
-        logits = pooled_scores(
-            model, input_ids.to(device), attention.to(device), tokenizer.pad_token_id, call=call
-        )
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        if packed and bool(attention.any(1).all()):
+            # The packed rows' free tails read id 0 (their outputs are not used).
+            logits = packed_pooled_scores(model, input_ids, attention, 0)
+        else:
+            logits = pooled_scores(model, input_ids, attention, tokenizer.pad_token_id, call=call)
         scores.append(logits[:, 0].float().cpu())
     return scores
 
@@ -536,9 +545,10 @@ class RewardSources:
         max_length: if given, the reward model sees at most the last ``max_length`` tokens of each
             sequence (its end, where the score is read).
         on_error: ``"raise"`` (default) or ``"skip"``: what a failing reward function does (see above).
-        padding_free: score the policy's ids (``same_tokenizer``) with their real tokens packed, when the
-            reward model allows it (checked once, at the first scoring; see :func:`score_ids`); scoring
-            through ``reward_model_forward`` and of texts stays padded.
+        padding_free: score with the real tokens packed, when the reward model allows it (checked once,
+            at the first scoring): the policy's ids (``same_tokenizer``, see :func:`score_ids`) or the
+            texts tokenized by the reward model's own tokenizer (:func:`score_texts`); scoring through
+            ``reward_model_forward`` stays padded.
 
     Attributes:
         last_errors: rows of the last call whose reward function failed (``on_error="skip"``).
@@ -816,6 +826,7 @@ class RewardSources:
                 max_length=self.max_length,
                 add_eos=True,
                 forward=forward,
+                padding_free=forward is None and self._packs_reward_model(),
             )
         finally:
             model.train(was_training)

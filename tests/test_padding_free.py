@@ -14,7 +14,7 @@ import torch
 
 from rlhf_trainers.onpolicy.forward import pack_sequences, sequence_inputs, trim_bounds
 from rlhf_trainers.packing import packed_score_head, padding_free_matches
-from rlhf_trainers.reward_sources import score_ids
+from rlhf_trainers.reward_sources import score_ids, score_texts
 from tests import test_ppo, test_rloo
 
 ARCHITECTURES = ("llama", "gpt2", "gpt_neox")
@@ -318,6 +318,63 @@ def test_packed_reward_scores_equal_padded_ones(kit, name):
     packed = score_ids(model, ids, pad, batch_size=5, padding_free=True)
     padded = score_ids(model, ids, pad, batch_size=5)
     assert padded.std() > 1e-3  # the rows score differently
+    torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
+
+
+def _count_packed_scoring(monkeypatch) -> list:
+    """The (B, T) shapes of the chunks that reward_sources scores packed, from now on."""
+    from rlhf_trainers import packing, reward_sources
+
+    calls = []
+    original = packing.packed_pooled_scores
+
+    def counted(*args, **kwargs):
+        calls.append(tuple(args[1].shape))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(reward_sources, "packed_pooled_scores", counted)
+    return calls
+
+
+def test_packed_text_scores_equal_padded_ones(kit, monkeypatch):
+    """A reward model with its own tokenizer scores the texts (retokenized, right-padded, EOS appended)
+    packed as it scores them padded; texts of very different lengths, so the padding is substantial."""
+    calls = _count_packed_scoring(monkeypatch)
+    model, tokenizer = kit.load_model("gpt2-alt-seqcls").eval(), kit.load_tokenizer("alt")
+    assert packed_score_head(model) is not None and padding_free_matches(model)
+    words = "the movie was great and the plot was dull , honestly the actors were fine".split()
+    texts = [" ".join(words[: 1 + (7 * i) % len(words)]) for i in range(11)]
+    lengths = {len(tokenizer(t)["input_ids"]) for t in texts}
+    assert max(lengths) - min(lengths) >= 8
+    packed = score_texts(model, tokenizer, texts, batch_size=4, padding_free=True)
+    assert len(calls) == 3  # 11 texts in chunks of 4
+    padded = score_texts(model, tokenizer, texts, batch_size=4)
+    assert len(calls) == 3
+    assert padded.std() > 1e-3
+    torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
+
+
+def test_the_trainer_scores_texts_with_another_tokenizer_packed(kit, tmp_path, monkeypatch):
+    """The reward model with its own tokenizer (the text path) takes the packed path inside the trainer,
+    with the same scores as the padded path."""
+    calls = _count_packed_scoring(monkeypatch)
+    trainer = test_rloo._trainer(
+        kit,
+        tmp_path,
+        reward_model=kit.load_model("gpt2-alt-seqcls"),
+        reward_processing_class=kit.load_tokenizer("alt"),
+        rloo_k=2,
+    )
+    sources = trainer.reward_sources
+    assert not sources.same_tokenizer and sources.padding_free
+    with torch.no_grad():
+        samples = _with_short_responses(trainer, trainer.sample_responses(trainer._prompt_batch(0), 2))
+        packed = trainer.score_samples(samples).total
+        assert sources._pack_reward is True and calls
+        calls.clear()
+        sources._pack_reward = False
+        padded = trainer.score_samples(samples).total
+    assert not calls
     torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
 
 
