@@ -106,7 +106,21 @@ class ReliabilityArguments:
         },
     )
 
+    def _check_switches(self) -> None:
+        """This package's on/off fields hold True or False: from Python, a string such as "false" would
+        otherwise count as on (the command line's parser turns such strings into booleans first)."""
+        for cls in type(self).__mro__:
+            if not cls.__module__.startswith("rlhf_trainers."):
+                continue
+            for name, annotation in vars(cls).get("__annotations__", {}).items():
+                value = getattr(self, name, None)
+                if annotation == "bool" and not isinstance(value, bool):
+                    raise ValueError(f"{name}={value!r}: expected True or False.")
+
     def _check_reliability_fields(self) -> None:
+        """The checks every config of this package runs in ``__post_init__``: on/off fields, the
+        DeepSpeed optimizer offload, ``max_nonfinite_steps``."""
+        self._check_switches()
         plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
         ds_config = getattr(plugin, "deepspeed_config", None)
         if isinstance(ds_config, dict):

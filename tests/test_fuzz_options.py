@@ -125,3 +125,25 @@ def test_rloo_trl_names_with_invalid_values_are_refused_naming_them(tmp_path, na
     fields = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", name: value}
     with pytest.raises(ValueError, match=rf"^{name}="):
         RLOOConfig(**fields)
+
+
+#: RewardConfig's on/off fields (its own and the shared reliability ones) given a non-boolean.
+INVALID_REWARD_SWITCHES: list[tuple[str, Any]] = [
+    ("add_eos", "false"),
+    ("init_reward_head", 0),
+    ("disable_dropout", "no"),
+    ("save_on_interrupt", "false"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), INVALID_REWARD_SWITCHES, ids=[f"{n}={v!r}" for n, v in INVALID_REWARD_SWITCHES]
+)
+def test_reward_config_switches_must_be_booleans(tmp_path, name, value):
+    from rlhf_trainers import RewardConfig
+
+    fields = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", name: value}
+    with pytest.raises(ValueError, match=rf"^{name}=.*expected True or False"):
+        RewardConfig(**fields)
+    fields[name] = not bool(value)
+    RewardConfig(**fields)  # the same field as a boolean is accepted

@@ -565,7 +565,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         if isinstance(self.model_init_kwargs, str):
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
         super().__post_init__()
-        self._check_switches()
         self._check_reliability_fields()
         if self.reward_func_errors not in REWARD_ERROR_MODES:
             raise ValueError(
@@ -650,17 +649,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
                 "and the training pass with it, so the rollout log-probs would not be the training policy's. "
                 "Use rollout_logprobs='forward' (or 'auto'), or disable_dropout=True."
             )
-
-    def _check_switches(self) -> None:
-        """This package's on/off fields hold True or False: from Python, a string such as "false" would
-        otherwise count as on (the command line's parser turns such strings into booleans first)."""
-        for cls in type(self).__mro__:
-            if not cls.__module__.startswith("rlhf_trainers."):
-                continue
-            for name, annotation in vars(cls).get("__annotations__", {}).items():
-                value = getattr(self, name, None)
-                if annotation == "bool" and not isinstance(value, bool):
-                    raise ValueError(f"{name}={value!r}: expected True or False.")
 
     def _check_vllm_fields(self) -> None:
         """use_vllm and its settings (vLLM itself is looked for when the trainer is built)."""
