@@ -173,7 +173,9 @@ def score_texts(
     gather = gathered(model) if forward is None else contextlib.nullcontext()
     packed = padding_free and forward is None
     with gather:
-        scores = _score_batches(model, call, tokenizer, texts, batch_size, max_length, add_eos, device, packed)
+        scores = _score_batches(
+            model, call, tokenizer, texts, batch_size, max_length, add_eos, device, packed
+        )
     raw = torch.cat(scores) if scores else torch.zeros(0)
     return raw * gain + bias
 

@@ -14,6 +14,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,6 +144,29 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     run_script(SCRIPT, ["ppo", str(out), "resume"], num_processes=2, timeout=600)
     results = read_rank_results(out)
     assert [(r["global_step"], r["interrupted"]) for r in results] == [(4, False), (4, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_generation_failure_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path):
+    """Under DDP (2 CPU ranks) rank 1's generation backend fails from update 3 on (its vLLM engine died):
+    both ranks stop in that generation, together (rank 0 is not left waiting in a collective), write
+    checkpoint-2 together and raise GenerationError naming it (rank 1 with its cause, rank 0 naming the
+    failed rank); a 2-rank resume from it finishes the run."""
+    from distributed import read_rank_results, run_script
+
+    out = tmp_path / "ddp"
+    run_script(SCRIPT, ["rloo", str(out), "generation-failure", "3"], num_processes=2, timeout=300)
+    first, last = read_rank_results(out)
+    assert (first["global_step"], last["global_step"]) == (2, 2)
+    assert re.search(r"(?s)^GenerationError: the engine died.*step 2.*checkpoint-2", last["error"])
+    assert re.search(
+        r"(?s)^GenerationError: Generation failed on process\(es\) \[1\].*checkpoint-2", first["error"]
+    )
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+    run_script(SCRIPT, ["rloo", str(out), "resume"], num_processes=2, timeout=300)
+    results = read_rank_results(out)
+    assert [(r["global_step"], r["error"]) for r in results] == [(4, None), (4, None)]
 
 
 # ---- in-process tests ---------------------------------------------------------------------------------

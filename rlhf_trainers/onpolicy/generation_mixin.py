@@ -109,33 +109,56 @@ class OnPolicyGenerationMixin:
             top_p=args.top_p,
             min_p=args.min_p,
         )
+        processes = self.accelerator.num_processes
+        failure: Exception | None = None
         try:
             samples = self.generation_backend.sample(query, query_mask, settings)
             check_samples(samples, query.shape[0], settings)
         except GenerationError as err:
-            raise self._generation_failed(err) from err
+            failure = err
+        except Exception as err:
+            if processes == 1:
+                raise
+            failure = err  # under several processes every failure must reach the others (below)
+        if processes > 1:
+            # Every process generates the same number of times per update, so this all-reduce meets all
+            # of them: a failure on one process stops them all here, together, instead of leaving the
+            # others waiting in their next collective until the launcher's timeout.
+            failed = self._processes_that_failed(failure is not None)
+            if failed and failure is None:
+                failure = GenerationError(
+                    f"Generation failed on process(es) {failed} (their error says why); every process "
+                    "stops with them."
+                )
+        if failure is not None:
+            if not isinstance(failure, GenerationError):
+                failure = GenerationError(
+                    f"The generation backend raised {type(failure).__name__}: {failure}"
+                )
+            raise self._generation_failed(failure) from failure
         if not with_logprobs:
             return samples.tokens, None
         return samples.tokens, {"logprobs": samples.logprobs, "entropy": samples.entropy}
 
+    def _processes_that_failed(self, failed_here: bool) -> list[int]:
+        """The indices of the processes whose generation failed (one all-reduce over all of them)."""
+        flags = torch.zeros(self.accelerator.num_processes, device=self.accelerator.device)
+        flags[self.accelerator.process_index] = float(failed_here)
+        flags = self.accelerator.reduce(flags, reduction="sum")
+        return [int(i) for i in flags.nonzero().flatten().tolist()]
+
     def _generation_failed(self, err: GenerationError) -> GenerationError:
         """The error to raise when the generation backend failed, after saving what can be saved: with
-        ``save_on_interrupt`` (the default), in a single process, once at least one update completed, a
-        checkpoint of the last complete update (the weights the failed generation started from), so
-        ``train(resume_from_checkpoint=True)`` continues from there. Several processes cannot save here: the
-        others are still generating, and a checkpoint needs all of them."""
+        ``save_on_interrupt`` (the default), once at least one update completed, a checkpoint of the last
+        complete update (the weights the failed generation started from), so
+        ``train(resume_from_checkpoint=True)`` continues from there. Under several processes every process
+        gets here together (:meth:`_generate` shares the failure), so they write the checkpoint together."""
         args = self.args
         step = self.state.global_step
-        processes = self.accelerator.num_processes
         if not args.save_on_interrupt:
             saved = "No checkpoint was written (save_on_interrupt=False)."
         elif step == 0:
             saved = "No update had completed: there is nothing to save."
-        elif processes > 1:
-            saved = (
-                f"No checkpoint was written: with {processes} processes a checkpoint needs every one of them, "
-                f"and the others are still running; resume from the last one saved in {args.output_dir}."
-            )
         else:
             model = getattr(self, "model_wrapped", None) or self.model
             compat.save_checkpoint(self, model)

@@ -13,7 +13,10 @@ TRAINER is ppo, rloo or reward. MODE is:
   moment and the signal: PHASE ``update`` (the default), ``rollout`` (inside the rollout of update STEP;
   PPO/RLOO) or ``save`` (while the checkpoint of update STEP is being written), SIGNAL ``TERM`` (the
   default) or ``INT`` (what Ctrl-C sends);
-- ``resume``: ``train(resume_from_checkpoint=True)`` in OUTPUT_DIR.
+- ``resume``: ``train(resume_from_checkpoint=True)`` in OUTPUT_DIR;
+- ``generation-failure``: the generation backend of the last rank raises ``GenerationError`` from the
+  generation of update STEP on (an engine that died); ``train()``'s error is written to the result
+  (``error``) instead of ending the process.
 
 Each mode that returns writes ``OUTPUT_DIR/log_history.json`` (``trainer.state.log_history``, rank 0)
 and ``OUTPUT_DIR/result-rank<R>.json`` (global step, whether train() was interrupted, world size).
@@ -124,7 +127,26 @@ def main() -> None:
             trainer.compute_loss = signalling
         else:
             trainer.compute_policy_loss = signalling
-    output = trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
+    if mode == "generation-failure":
+        from rlhf_trainers.generation import GenerationError
+
+        backend = trainer.generation_backend
+        sample = backend.sample
+        last_rank = trainer.accelerator.process_index == trainer.accelerator.num_processes - 1
+
+        def failing_sample(*args, **kwargs):
+            if last_rank and trainer.state.global_step >= step - 1:
+                raise GenerationError("the engine died (simulated)")
+            return sample(*args, **kwargs)
+
+        backend.sample = failing_sample
+    error = None
+    try:
+        output = trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
+    except Exception as err:
+        if mode != "generation-failure":
+            raise
+        output, error = trainer.state, f"{type(err).__name__}: {err}"
     rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
     if rank == 0:
         with open(os.path.join(output_dir, "log_history.json"), "w") as fh:
@@ -133,6 +155,7 @@ def main() -> None:
         "global_step": trainer.state.global_step,
         "interrupted": trainer.interrupted,
         "world_size": world,
+        "error": error,
     }
     with open(os.path.join(output_dir, f"result-rank{rank}.json"), "w") as fh:
         json.dump({"rank": rank, **result}, fh)
