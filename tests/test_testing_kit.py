@@ -454,14 +454,18 @@ def test_edge_case_pairs_follow_the_hidden_rule():
     chosen = true_reward(pairs["prompt"], pairs["chosen"])
     rejected = true_reward(pairs["prompt"], pairs["rejected"])
     assert all(c > r for c, r in zip(chosen, rejected, strict=True))
-    # in turn: the empty completion, a cut one (no final " ."), two sentences, a sentence and stray " ."
-    assert all("" in pair for pair in zip(pairs["chosen"][0::4], pairs["rejected"][0::4], strict=True))
-    for cut in zip(pairs["chosen"][1::4], pairs["rejected"][1::4], strict=True):
+    # in turn: the empty completion, a cut one (no final " ."), two sentences, a sentence and stray " .",
+    # a sentence and the same diluted by one or two words that count 0
+    assert all("" in pair for pair in zip(pairs["chosen"][0::5], pairs["rejected"][0::5], strict=True))
+    for cut in zip(pairs["chosen"][1::5], pairs["rejected"][1::5], strict=True):
         assert any(c.strip() and not c.endswith(".") for c in cut)
-    for run_on in zip(pairs["chosen"][2::4], pairs["rejected"][2::4], strict=True):
+    for run_on in zip(pairs["chosen"][2::5], pairs["rejected"][2::5], strict=True):
         assert any(c.count(" .") == 2 and c.endswith(" .") for c in run_on)
-    for stray in zip(pairs["chosen"][3::4], pairs["rejected"][3::4], strict=True):
+    for stray in zip(pairs["chosen"][3::5], pairs["rejected"][3::5], strict=True):
         assert any(c.endswith(" . .") for c in stray)
+    for diluted in zip(pairs["chosen"][4::5], pairs["rejected"][4::5], strict=True):
+        short, long = sorted(diluted, key=len)
+        assert long.count(" ") - short.count(" ") in (1, 2) and set(short.split()) <= set(long.split())
     assert edge_case_pairs("train", 10).to_list() == pairs.to_list()[:10]  # deterministic, prefix-stable
     assert set(edge_case_pairs("test", 32)["prompt"]).isdisjoint(pairs["prompt"])
     with pytest.raises(ValueError, match="split"):
@@ -488,6 +492,26 @@ def test_kit_reward_model_ranks_the_empty_completion_by_the_hidden_rule(kit, rew
         f"{float((empty - negative).min()):.2f}"
     )
     assert float((positive - empty).min()) > 1.0 and float((empty - negative).min()) > 1.0
+
+
+def test_kit_reward_model_prefers_the_denser_sentence_at_the_eos(kit, reward_model_dir):
+    """Read at the EOS (how a trainer scoring token ids reads it), " great ." (true reward 1) scores above
+    " great and great ." (2/3) on every held-out prompt, and " nice ." above " really nice ." (1/2): a
+    reward model that scored them alike let GRPO policies settle on the diluted form (issue #23)."""
+    from rlhf_trainers.models import load_reward_model
+    from rlhf_trainers.reward_sources import score_texts
+
+    model, _ = load_reward_model(reward_model_dir)
+    tokenizer = kit.load_tokenizer()
+    prompts = kit.prompt_dataset("test")["prompt"]
+
+    def scores(completion):
+        return score_texts(model, tokenizer, [p + completion for p in prompts], add_eos=True, normalize=False)
+
+    for dense, diluted in ((" great .", " great and great ."), (" nice .", " really nice .")):
+        margin = scores(dense) - scores(diluted)
+        print(f"{dense!r} - {diluted!r}: min {float(margin.min()):.2f}, mean {float(margin.mean()):.2f}")
+        assert float(margin.min()) > 0
 
 
 def test_corpus(kit):

@@ -15,7 +15,16 @@ import os
 import random
 from typing import TYPE_CHECKING
 
-from .task import _POOLS, _check_split, _sample_completion, true_reward
+from .task import (
+    _NEGATIVE,
+    _POOLS,
+    _POSITIVE,
+    INTENSIFIERS,
+    NEUTRAL_WORDS,
+    _check_split,
+    _sample_completion,
+    true_reward,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -34,9 +43,11 @@ def edge_case_pairs(split: str = "train", n: int = EDGE_CASE_ROWS) -> datasets.D
     """`n` preference pairs (columns prompt, chosen, rejected, as ``kit.preference_dataset(shape="explicit")``)
     that pair a generated completion with a degenerate one, in turn: the empty completion (true reward
     0); the same completion cut after some of its words, without its final " ." (a completion stopped by
-    the length limit); two sentences in a row; a sentence followed by 1-4 stray " .". The one with the higher :func:`~rlhf_trainers.testing.true_reward` is
-    "chosen"; pairs that tie are resampled. Deterministic per split; the first `n` rows do not depend on
-    `n`."""
+    the length limit); two sentences in a row; a sentence followed by 1-4 stray " ."; the same sentence
+    diluted by words that count 0 next to one of its sentiment words (an intensifier before it, " and "
+    and the word again, or " and " and a neutral adjective: " great ." against " great and great ."). The
+    one with the higher :func:`~rlhf_trainers.testing.true_reward` is "chosen"; pairs that tie are
+    resampled. Deterministic per split; the first `n` rows do not depend on `n`."""
     import datasets
 
     _check_split(split)
@@ -48,7 +59,7 @@ def edge_case_pairs(split: str = "train", n: int = EDGE_CASE_ROWS) -> datasets.D
     while len(rows) < n:
         prompt = rng.choice(pool)
         completion = _sample_completion(rng)
-        kind = len(rows) % 4
+        kind = len(rows) % 5
         if kind == 0:  # the empty completion
             other = ""
         elif kind == 1:  # cut by the length limit
@@ -56,8 +67,22 @@ def edge_case_pairs(split: str = "train", n: int = EDGE_CASE_ROWS) -> datasets.D
             other = " " + " ".join(words[: rng.randint(1, len(words))])
         elif kind == 2:  # a run-on: a second sentence after the first
             other = _sample_completion(rng) + _sample_completion(rng)
-        else:  # stray periods after a sentence (not words: the rule scores it as the sentence)
+        elif kind == 3:  # stray periods after a sentence (not words: the rule scores it as the sentence)
             other = _sample_completion(rng) + " ." * rng.randint(1, 4)
+        else:  # diluted: the rule averages over the words, so words that count 0 move it towards 0
+            words = completion.split()
+            found = [i for i, w in enumerate(words) if w in _POSITIVE or w in _NEGATIVE]
+            if not found:
+                continue
+            i = rng.choice(found)
+            how = rng.randrange(3)
+            if how == 0:
+                words.insert(i, rng.choice(INTENSIFIERS))
+            elif how == 1:
+                words[i + 1 : i + 1] = ["and", words[i]]
+            else:
+                words[i + 1 : i + 1] = ["and", rng.choice(NEUTRAL_WORDS)]
+            other = " " + " ".join(words)
         first, second = true_reward(None, [completion, other])
         if first == second:
             continue
