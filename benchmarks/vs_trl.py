@@ -394,7 +394,9 @@ def table(report: dict[str, Any]) -> list[str]:
             "Work per update (variable length: real tokens only, the prompt without padding and the response "
             "up to and including its EOS; over the measured updates, the first excluded): real tokens per "
             "update (median), response tokens per completion (mean, min, max, share at `response_length`), "
-            "real prompt tokens per completion (mean):",
+            "real prompt tokens per completion (mean). The model FLOPs above count these real tokens "
+            "only: `model GFLOP/update` is the mean over the measured updates, `% of matmul rate` their "
+            "summed FLOPs over their summed seconds:",
             "",
             "| size | trainer | real tokens/update | response mean | min | max | at limit | prompt mean |",
             "|---|---|---:|---:|---:|---:|---:|---:|",
