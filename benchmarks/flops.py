@@ -15,7 +15,9 @@ Two halves:
 
    a backward pass twice its forward. Embedding look-ups, norms, activations, softmaxes and the optimizer
    are not counted (they are not matmuls). Tokens are the *real* prompt tokens plus the response tokens;
-   left padding inside a batch is work the model does but not model FLOPs.
+   left padding inside a batch is work the model does but not model FLOPs. With variable-length
+   responses (``update_flops(rows=...)``) every completion counts its own prompt and response tokens
+   (up to and including its stop token): the padding after a short response is not counted either.
 
 The passes of one update, per completion (``E`` = epochs, ``P`` prompt tokens, ``L`` response tokens,
 ``T = P + L``, "head k" = lm-head on k positions):
@@ -154,21 +156,28 @@ def update_flops(
     epochs: int,
     policy_forward: bool = True,
     ref_forward: bool = True,
+    rows: list[tuple[float, float]] | None = None,
 ) -> dict[str, float]:
     """Model FLOPs of one update, per phase and in total (see the module docstring for the passes).
 
-    ``prompt_tokens`` is the mean number of real prompt tokens per completion; ``policy_forward=False``
-    leaves out the separate no-grad policy pass (ours, when the sampling loop gives the log-probs; TRL's
-    GRPO when it needs no old log-probs), ``ref_forward=False`` the reference pass (GRPO with ``beta=0``)."""
-    L = response_length
-    T = prompt_tokens + L
-    heads = {"L": L, "L+1": L + 1, "T": T}
+    ``prompt_tokens`` is the mean number of real prompt tokens per completion and ``response_length``
+    the tokens of every response; ``rows`` (variable-length responses) replaces both with each
+    completion's own ``(real prompt tokens, response tokens up to and including its stop token)``, so
+    that only real tokens count (``completions``, ``prompt_tokens`` and ``response_length`` are then
+    ignored). ``policy_forward=False`` leaves out the separate no-grad policy pass (ours, when the
+    sampling loop gives the log-probs; TRL's GRPO when it needs no old log-probs), ``ref_forward=False``
+    the reference pass (GRPO with ``beta=0``)."""
+    sequences = rows if rows is not None else [(prompt_tokens, response_length)] * completions
     out: dict[str, float] = {}
     for phase, model, head, backward in PASSES[(impl, algo)]:
         if (phase == "policy" and not policy_forward) or (phase == "ref" and not ref_forward):
             continue
         shape = policy_shape if model == "policy" else reward_shape
-        fwd = forward_flops(shape, T, heads[head] if head else 0.0, T) * completions
+        fwd = 0.0
+        for P, L in sequences:
+            T = P + L
+            heads = {"L": L, "L+1": L + 1, "T": T}
+            fwd += forward_flops(shape, T, heads[head] if head else 0.0, T)
         total = fwd * 3 * epochs if backward else fwd
         out[phase] = out.get(phase, 0.0) + total
     out["total"] = sum(out.values())

@@ -190,11 +190,16 @@ def _include(pattern: str, exclude: str | tuple[str, ...] | None = None) -> str:
 
 
 def table_vs_trl() -> str:
-    return _include("vs_trl*.md", exclude="vs_trl_grpo")
+    return _include("vs_trl*.md", exclude=("vs_trl_grpo", "vs_trl_varlen"))
 
 
 def table_vs_trl_grpo() -> str:
     return _include("vs_trl_grpo*.md")
+
+
+def table_vs_trl_varlen() -> str:
+    """The variable-length job against TRL (``vs_trl.py --stop-at-eos``, issue #24)."""
+    return _include("vs_trl_varlen*.md")
 
 
 #: learning_vs_trl*.md files that other sections of the page show.
@@ -266,6 +271,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "vs_trl": table_vs_trl,
     "learning_vs_trl": table_learning_vs_trl,
     "vs_trl_grpo": table_vs_trl_grpo,
+    "vs_trl_varlen": table_vs_trl_varlen,
     "learning_vs_trl_grpo": table_learning_vs_trl_grpo,
     "learning_vs_trl_real": table_learning_vs_trl_real,
     "long_run_memory": table_long_run_memory,

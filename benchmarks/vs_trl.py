@@ -20,7 +20,7 @@ examples do), the same prompts (the kit's train prompts, tokenized by each train
 completions per update (PPO: that many prompts; RLOO: ``batch / rloo_k`` prompts x ``rloo_k``),
 ``--response-length`` tokens per response, always that many (EOS ignored: ours and TRL's PPO with
 ``stop_token=None``; TRL's RLOO and GRPO cut at EOS unconditionally, so they get ``min_new_tokens``, which
-forbids EOS instead), ``--epochs`` passes over the rollout, ``--mini-batches`` optimizer steps per pass, one
+forbids EOS instead; ``--stop-at-eos`` below for variable lengths), ``--epochs`` passes over the rollout, ``--mini-batches`` optimizer steps per pass, one
 micro-batch per mini-batch, fp32 on CPU, no gradient checkpointing (TRL turns it on by default), the
 default AdamW, sampling at temperature 1 with top-k 0 / top-p 1.
 
@@ -39,6 +39,15 @@ Sizes (``--sizes``): ``tiny`` = the offline kit's ``llama-sft`` (114K parameters
 ``onpolicy_memory.py``), pad token ``<|endoftext|>``, and a reward model made from it with a fresh
 one-label head (seeded, saved once, so both sides load the same weights).
 
+Variable-length mode (``--stop-at-eos``, issue #24; 135M only): every side stops a response at the
+tokenizer's EOS (ours and TRL 1.12's PPO ``stop_token="eos"``, the newest TRL's RLOO/GRPO their default cut,
+no ``min_new_tokens``), at most ``--response-length`` tokens. The prompts are chat-templated texts
+(:func:`varlen_prompts`) asking for answers of one word, one sentence, two or three sentences or a
+paragraph, so the instruct model ends its turn (``<|im_end|>``) anywhere from a few tokens to the limit;
+there are exactly as many as prompts per update, so every update of every run samples the same prompts.
+Each run records every completion's real prompt and response tokens per update (``sequence_lengths``;
+``response_length_stats`` over the measured updates), and its FLOP rate counts those real tokens only.
+
 Figures per run: seconds per update (median, first update excluded), episodes/s, tokens/s (real prompt +
 response tokens of an update / its seconds, verl's definition), peak RSS and what makes it up, seconds
 per phase (generate, policy, ref, values, reward, update = the rest), model FLOPs per update and their
@@ -47,6 +56,8 @@ the start and end of every run.
 
     bash benchmarks/setup_trl.sh
     python benchmarks/vs_trl.py --sizes tiny,135m --updates 8,5 --out benchmarks/results
+    python benchmarks/vs_trl.py --sizes 135m --stop-at-eos --response-length 64 --updates 5 --threads 1 \
+        --repeats 2 --out benchmarks/results --tag _varlen_135m
 
 Writes ``<out>/vs_trl<tag>.json`` and ``<out>/vs_trl<tag>.md``; ``--render FILE.json`` rewrites the table
 of an existing result.
@@ -81,10 +92,47 @@ PHASES = ("generate", "policy", "ref", "values", "reward", "update")
 
 # ---- assets --------------------------------------------------------------------------------------------
 
+#: Subjects and requested answer lengths of the variable-length mode's prompts (``--stop-at-eos``): the
+#: instruct model ends its turn with its EOS (``<|im_end|>``) after about as much text as was asked for,
+#: so the responses spread from a few tokens (one word) to the limit (a paragraph, cut at the limit).
+VARLEN_TOPICS = (
+    "the moon", "coffee", "rain", "a bicycle", "the ocean", "chess", "a library", "winter",
+    "music", "a volcano", "bread", "the internet", "trees", "a train", "honey", "mountains",
+    "the sun", "tea", "snow", "a guitar", "rivers", "football", "a museum", "summer",
+    "painting", "an island", "cheese", "email", "flowers", "a ship", "apples", "deserts",
+)  # fmt: skip
+VARLEN_STYLES = (
+    "Answer with a single word.",
+    "Reply in one short sentence.",
+    "Answer in two or three sentences.",
+    "Write a detailed paragraph of several sentences.",
+)
 
-def prepare_assets(work: Path, sizes: list[str], gguf: str | None = None) -> dict[str, Any]:
+
+def varlen_prompts(tokenizer: Any, n: int) -> list[str]:
+    """``n`` chat-templated prompts (text with the generation prompt, tokenized alike by every trainer):
+    prompt ``i`` asks about topic ``i`` in style ``(i + i // topics) mod styles``, so every run of 4
+    consecutive prompts asks for each answer length once."""
+    out = []
+    for i in range(n):
+        topic = VARLEN_TOPICS[i % len(VARLEN_TOPICS)]
+        style = VARLEN_STYLES[(i + i // len(VARLEN_TOPICS)) % len(VARLEN_STYLES)]
+        messages = [{"role": "user", "content": f"Tell me about {topic}. {style}"}]
+        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return out
+
+
+def varlen_prompt_file(work: Path, size: str, n: int) -> Path:
+    return work / size / f"prompts_varlen_{n}.json"
+
+
+def prepare_assets(
+    work: Path, sizes: list[str], gguf: str | None = None, varlen_counts: tuple[int, ...] = ()
+) -> dict[str, Any]:
     """Write the models, tokenizers and prompts every worker loads: ``<work>/prompts.json`` and
-    ``<work>/<size>/{policy,reward}``. Idempotent (existing folders are kept)."""
+    ``<work>/<size>/{policy,reward}``; for the 135M size and every ``n`` of ``varlen_counts`` also
+    ``<work>/135m/prompts_varlen_<n>.json`` (:func:`varlen_prompts`, rewritten every time). Idempotent
+    (existing model folders are kept)."""
     import torch
 
     from rlhf_trainers.testing import get_kit
@@ -133,14 +181,23 @@ def prepare_assets(work: Path, sizes: list[str], gguf: str | None = None) -> dic
             reward.save_pretrained(reward_dir)
             tokenizer.save_pretrained(reward_dir)
         info["135m"] = {"policy": str(policy_dir), "reward": str(reward_dir)}
+        if varlen_counts:
+            tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+            for n in varlen_counts:
+                texts = varlen_prompts(tokenizer, n)
+                varlen_prompt_file(work, "135m", n).write_text(json.dumps({"train": texts, "test": texts}))
     return info
 
 
-def prepare_in_subprocess(work: Path, sizes: list[str], gguf: str | None) -> dict[str, Any]:
+def prepare_in_subprocess(
+    work: Path, sizes: list[str], gguf: str | None, varlen_counts: tuple[int, ...] = ()
+) -> dict[str, Any]:
     """Run :func:`prepare_assets` in a child process (its memory and imports stay out of the driver)."""
     cmd = [sys.executable, __file__, "--prepare", f"--work-dir={work}", f"--sizes={','.join(sizes)}"]
     if gguf:
         cmd.append(f"--gguf={gguf}")
+    if varlen_counts:
+        cmd.append(f"--varlen-prompts={','.join(map(str, varlen_counts))}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"asset preparation failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -229,27 +286,51 @@ def model_shapes(info: dict[str, Any]) -> dict[str, dict[str, int]]:
 
 
 def add_flops(result: dict[str, Any], shapes: dict[str, dict[str, int]], matmul: float) -> None:
+    """Model FLOPs per update and their rate as a fraction of the matmul rate ``matmul``.
+
+    Fixed-length runs: the FLOPs of the median update's tokens over the median seconds per update.
+    Variable-length runs (``settings.fixed_length`` False, rows recorded per update): every measured
+    update's FLOPs from its own completions' real tokens (:func:`flops.update_flops` with ``rows``),
+    summed and divided by those updates' summed seconds; ``model_flops_per_update`` is their mean."""
     sys.path.insert(0, str(HERE))
     from flops import update_flops
 
     s = result["settings"]
-    prompt_tokens = result["tokens_per_update_median"] / s["batch"] - s["response_length"]
-    flops = update_flops(
-        result["impl"],
-        result["algo"],
-        shapes["policy"],
-        shapes["reward"],
-        s["batch"],
-        prompt_tokens,
-        s["response_length"],
-        s["epochs"],
+    kwargs = dict(
         # Ours skips the policy pass when its rollout log-probs come from the sampling loop (timed 0).
         policy_forward=result["phases_median"].get("policy", 0.0) > 0,
         # GRPO runs no reference pass with beta = 0 (no reference model on either side).
         ref_forward=result["algo"] != "grpo" or result["phases_median"].get("ref", 0.0) > 0,
     )
-    result["model_flops_per_update"] = flops
-    result["model_flops_per_sec"] = flops["total"] / result["seconds_per_update_median"]
+    impl, algo = result["impl"], result["algo"]
+    per_update = result.get("sequence_lengths")
+    if not s.get("fixed_length", True) and per_update and all(per_update):
+        measured = range(1, len(per_update)) if len(per_update) > 1 else range(len(per_update))
+        each = [
+            update_flops(impl, algo, shapes["policy"], shapes["reward"], 0, 0.0, 0, s["epochs"],
+                         rows=[tuple(r) for r in per_update[i]], **kwargs)
+            for i in measured
+        ]  # fmt: skip
+        seconds = [result["update_seconds"][i] for i in measured]
+        flops = {k: statistics.mean(f[k] for f in each) for k in each[0]}
+        result["model_flops_per_update"] = flops
+        result["model_flops_per_sec"] = sum(f["total"] for f in each) / sum(seconds)
+        result["flop_rate_basis"] = "real tokens of each measured update / its seconds (sums)"
+    else:
+        prompt_tokens = result["tokens_per_update_median"] / s["batch"] - s["response_length"]
+        flops = update_flops(
+            impl,
+            algo,
+            shapes["policy"],
+            shapes["reward"],
+            s["batch"],
+            prompt_tokens,
+            s["response_length"],
+            s["epochs"],
+            **kwargs,
+        )
+        result["model_flops_per_update"] = flops
+        result["model_flops_per_sec"] = flops["total"] / result["seconds_per_update_median"]
     result["matmul_flops_per_s"] = matmul
     result["fraction_of_matmul_rate"] = result["model_flops_per_sec"] / matmul
 
@@ -307,6 +388,26 @@ def table(report: dict[str, Any]) -> list[str]:
             f"{fmt(100 * r['fraction_of_matmul_rate'], '.2f')} | "
             f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f} |"
         )
+    if not report["settings"].get("fixed_length", True):
+        lines += [
+            "",
+            "Work per update (variable length: real tokens only, the prompt without padding and the response "
+            "up to and including its EOS; over the measured updates, the first excluded): real tokens per "
+            "update (median), response tokens per completion (mean, min, max, share at `response_length`), "
+            "real prompt tokens per completion (mean). The model FLOPs above count these real tokens "
+            "only: `model GFLOP/update` is the mean over the measured updates, `% of matmul rate` their "
+            "summed FLOPs over their summed seconds:",
+            "",
+            "| size | trainer | real tokens/update | response mean | min | max | at limit | prompt mean |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in report["results"]:
+            st = r.get("response_length_stats") or {}
+            lines.append(
+                f"| {r['size']} | {r['label']}{run(r)} | {fmt(r['tokens_per_update_median'], '.0f')} | "
+                f"{fmt(st.get('mean'), '.1f')} | {fmt(st.get('min'), 'd')} | {fmt(st.get('max'), 'd')} | "
+                f"{fmt(100 * st['at_limit'] if st else None, '.0f')} % | {fmt(st.get('prompt_mean'), '.1f')} |"
+            )
     lines += [
         "",
         "Seconds per phase (median over updates, first excluded; `update` = the rest of the update: training "
@@ -395,6 +496,22 @@ UNMATCHED = [
     "per update differ slightly (tokens/s uses each run's own count).",
 ]
 
+#: Replaces the fixed-length note of :data:`UNMATCHED` in ``--stop-at-eos`` reports.
+VARLEN_NOTE = (
+    "Variable-length responses (`--stop-at-eos`): every side stops a response at the tokenizer's EOS "
+    "(SmolLM2-Instruct's `<|im_end|>`, id 2; padding `<|endoftext|>`, id 0), at most `response_length` "
+    "tokens. Ours: `stop_token='eos'`, its sampling loop ends when every row has stopped, and its scoring "
+    "and training passes pack the real tokens (`padding_free=True`, the default). TRL 1.12's PPO: "
+    "`stop_token='eos'` (generation stops when every row has, responses truncated after the EOS); its "
+    "reference, value, reward and training passes run over the left-padded prompts + the responses padded "
+    "to the batch's longest. The newest TRL's RLOO: its default cut at EOS, its passes over the padded "
+    "batch as well. The prompts are the same chat-templated texts on every side (one per prompt of an "
+    "update, so every update of every run samples the same prompts), asking for answers of one word, one "
+    "sentence, two or three sentences or a paragraph."
+)
+#: Notes of :data:`UNMATCHED` that do not hold in ``--stop-at-eos`` reports (fixed lengths; prompt order).
+FIXED_LENGTH_NOTES_START = ("Fixed-length responses:", "Prompt order:")
+
 UNMATCHED_GRPO = [
     "Old log-probs: with `num_iterations > 1` (or `steps_per_generation > gradient_accumulation_steps`) TRL's "
     "GRPO runs a separate no-grad policy forward over every generation (`policy` phase); ours takes them "
@@ -421,10 +538,14 @@ UNMATCHED_GRPO = [
 ]
 
 
-def unmatched_notes(algos: list[str]) -> list[str]:
-    """The notes of what differs between the sides, for the algorithms of a report."""
+def unmatched_notes(algos: list[str], fixed_length: bool = True) -> list[str]:
+    """The notes of what differs between the sides, for the algorithms of a report (variable-length
+    reports: :data:`VARLEN_NOTE` in place of the fixed-length ones)."""
     notes = UNMATCHED if {"ppo", "rloo"} & set(algos) else []
-    return notes + (UNMATCHED_GRPO if "grpo" in algos else [])
+    notes = notes + (UNMATCHED_GRPO if "grpo" in algos else [])
+    if not fixed_length:
+        notes = [n for n in notes if not n.startswith(FIXED_LENGTH_NOTES_START)] + [VARLEN_NOTE]
+    return notes
 
 
 def settings_text(report: dict[str, Any]) -> str:
@@ -454,7 +575,7 @@ def settings_text(report: dict[str, Any]) -> str:
         f"{report['machine']}, torch {report['torch']}, transformers {report['transformers']}, "
         f"TRL {', '.join(report['trl_versions'])}; {s['batch']} completions per update ({'; '.join(per_algo)}), "
         f"response_length {s['response_length']} "
-        f"(fixed), num_ppo_epochs {s['epochs']}, num_mini_batches {s['mini_batches']} (micro-batch "
+        f"({'fixed' if s.get('fixed_length', True) else 'at most; responses stop at EOS'}), num_ppo_epochs {s['epochs']}, num_mini_batches {s['mini_batches']} (micro-batch "
         f"{s['batch'] // s['mini_batches']}), fp32, no gradient checkpointing, reward model; updates per run: "
         f"{report['updates']}; fp32 matmul rate measured before each invocation: {rates} GFLOP/s "
         f"(median of torch.matmul, n in {list(report['matmul']['sizes'])}; each row's % uses its own); torch "
@@ -513,6 +634,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--rloo-k", type=int, default=2)
+    parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="variable-length responses: every side stops at EOS (135m only: chat-templated prompts asking "
+        "for answers of varied length, one per prompt of an update); default: fixed-length responses",
+    )
     parser.add_argument("--num-generations", type=int, default=4, help="GRPO: completions per prompt")
     parser.add_argument("--beta", type=float, default=0.0, help="GRPO: KL loss coefficient (TRL's default 0)")
     parser.add_argument("--loss-type", default="dapo", help="GRPO: loss_type (TRL's default dapo)")
@@ -553,6 +680,7 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the table of a result file")
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--varlen-prompts", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [x for x in args.sizes.split(",") if x]
     algos = [x for x in args.algos.split(",") if x]
@@ -574,7 +702,8 @@ def main() -> None:
         write(report, path.parent, path.stem[len("vs_trl") :])
         return
     if args.prepare:
-        print(json.dumps(prepare_assets(work, sizes, args.gguf)))
+        counts = tuple(int(x) for x in args.varlen_prompts.split(",") if x)
+        print(json.dumps(prepare_assets(work, sizes, args.gguf, counts)))
         return
     updates = [int(x) for x in args.updates.split(",")]
     if len(updates) == 1:
@@ -588,9 +717,20 @@ def main() -> None:
     for x in algos:
         if x not in ALGOS:
             raise SystemExit(f"--algos: {x!r} is not one of {ALGOS}")
+    if args.stop_at_eos and sizes != ["135m"]:
+        raise SystemExit(
+            "--stop-at-eos: only --sizes 135m (its prompts use the instruct model's chat template)"
+        )
     pythons = interpreters(args)
 
-    info = prepare_in_subprocess(work, sizes, args.gguf)
+    # variable length: one prompt per prompt of an update (each algorithm's own count)
+    prompts_per_update = {
+        "ppo": args.batch,
+        "rloo": args.batch // args.rloo_k,
+        "grpo": args.batch // args.num_generations,
+    }
+    varlen_counts = tuple(sorted({prompts_per_update[a] for a in algos})) if args.stop_at_eos else ()
+    info = prepare_in_subprocess(work, sizes, args.gguf, varlen_counts)
     matmul_start = matmul_in_subprocess(args.matmul_sizes, 10, args.threads)
     print(f"fp32 matmul: {matmul_start['best_median_flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
     task_py = str(ROOT / "rlhf_trainers" / "testing" / "task.py")
@@ -602,7 +742,7 @@ def main() -> None:
             "mini_batches": args.mini_batches,
             "epochs": args.epochs,
             "response_length": args.response_length,
-            "fixed_length": True,
+            "fixed_length": not args.stop_at_eos,
             "rloo_k": args.rloo_k,
             "num_generations": args.num_generations,
             "beta": args.beta,
@@ -626,7 +766,9 @@ def main() -> None:
                         "algo": algo,
                         "policy": info[size]["policy"],
                         "reward": info[size]["reward"],
-                        "prompts": info["prompts"],
+                        "prompts": str(varlen_prompt_file(work, size, prompts_per_update[algo]))
+                        if args.stop_at_eos
+                        else info["prompts"],
                         "task_py": task_py,
                         "settings": settings,
                     }
@@ -668,7 +810,9 @@ def main() -> None:
         "matmul": matmul_start,
         "matmul_end": matmul_end,
         "model_shapes": {size: model_shapes(info[size]) for size in sizes},
-        "unmatched_settings": unmatched_notes([a for a in ALGOS if any(r["algo"] == a for r in results)]),
+        "unmatched_settings": unmatched_notes(
+            [a for a in ALGOS if any(r["algo"] == a for r in results)], not args.stop_at_eos
+        ),
         "results": results,
     }
     write(report, Path(args.out), args.tag)

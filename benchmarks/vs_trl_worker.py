@@ -324,9 +324,10 @@ def build_trainer(
     callback: Any,
     timers: PhaseTimers,
     out_dir: str,
-) -> tuple[Any, int, Callable[[], dict[str, float]] | None]:
-    """The trainer for ``spec``, the number of ``on_step_end`` calls per update, and (for TRL) a function
-    that returns the token count of the update just finished.
+) -> tuple[Any, int, Callable[[], list[list[int]]]]:
+    """The trainer for ``spec``, the number of ``on_step_end`` calls per update, and a function that
+    returns the rows of the update just finished: ``[prompt tokens, response tokens]`` per completion, real
+    tokens only (the prompt without its padding, the response up to and including its stop token).
 
     ``settings``: ``batch`` (completions per update), ``mini_batches``, ``epochs``, ``response_length``,
     ``fixed_length`` (responses ignore EOS), ``rloo_k``, ``learning_rate``, ``kl_coef``, ``temperature``,
@@ -391,6 +392,15 @@ def build_trainer(
         # vs_trl.py --ours-config: our config fields to set on top (e.g. an A/B of one option).
         ours.update(s.get("ours_config") or {})
         dataset = prompt_dataset(train_prompts)
+        holder: dict[str, Any] = {}
+
+        def rows() -> list[list[int]]:
+            """The last update's rollout (kept by the trainer for its callbacks): real prompt tokens and
+            the response length (up to and including the stop token) of every completion."""
+            rollout = holder["trainer"]._last_rollout
+            prompt = rollout.query_mask.sum(1).tolist()
+            return [[int(p), int(n)] for p, n in zip(prompt, rollout.lengths.tolist(), strict=True)]
+
         if algo == "grpo":
             trainer = GRPOTrainer(
                 model=policy,
@@ -402,7 +412,8 @@ def build_trainer(
                 train_dataset=dataset,
                 callbacks=[callback],
             )
-            return trainer, 1, None
+            holder["trainer"] = trainer
+            return trainer, 1, rows
         if algo == "ppo":
             trainer = PPOTrainer(
                 model=policy,
@@ -434,7 +445,8 @@ def build_trainer(
                 train_dataset=dataset,
                 callbacks=[callback],
             )
-        return trainer, 1, None
+        holder["trainer"] = trainer
+        return trainer, 1, rows
 
     if algo == "ppo":  # trl==1.12.0
         import trl.experimental.ppo.ppo_trainer as ppo_mod
@@ -479,14 +491,15 @@ def build_trainer(
             query_responses, logits = original_generation(model, queries, *args, **kwargs)
             response = query_responses[:, queries.shape[1] :]
             if s["fixed_length"]:
-                n_response = response.numel()
+                lengths = [response.shape[1]] * response.shape[0]
             else:  # up to and including the first EOS, as TRL's truncate_response keeps it
                 hit = (response == eos).int()
                 first = hit.argmax(1)
-                n_response = int(
-                    sum(f + 1 if h else response.shape[1] for f, h in zip(first, hit.any(1), strict=True))
-                )
-            tokens.append(float((queries != pad).sum()) + n_response)
+                lengths = [
+                    int(f) + 1 if h else response.shape[1] for f, h in zip(first, hit.any(1), strict=True)
+                ]
+            rows = [[int(p), n] for p, n in zip((queries != pad).sum(1).tolist(), lengths, strict=True)]
+            tokens.append(rows)
             return query_responses, logits
 
         ppo_mod.batch_generation = counted_generation
@@ -503,7 +516,7 @@ def build_trainer(
         )
         timers.wrap(trainer.accelerator, "backward", lambda *a, **k: "backward")
         timers.wrap(trainer.optimizer, "step", lambda *a, **k: "optimizer_step")
-        return trainer, 1, lambda: tokens.pop() if tokens else float("nan")
+        return trainer, 1, lambda: tokens.pop() if tokens else []
 
     if algo == "grpo":  # newest trl: GRPOTrainer
         return build_trl_grpo(spec, tokenizer, policy, reward, train_prompts, callback, timers, common)
@@ -557,19 +570,20 @@ def trl_trainer(
     )
 
 
-def instrument_trl_trainer(trainer: Any, timers: PhaseTimers) -> Callable[[], float]:
+def instrument_trl_trainer(trainer: Any, timers: PhaseTimers) -> Callable[[], list[list[int]]]:
     """Phase timers on a TRL RLOO/GRPO trainer (generate, policy/ref/train forward, reward, backward,
-    optimizer step) and a counter of each generation's prompt + completion tokens; returns the function
-    that pops the last count."""
+    optimizer step) and a recorder of each generation's rows (prompt tokens, completion tokens, the
+    completion cut after its EOS as TRL keeps it); returns the function that pops the last generation's
+    rows."""
     import torch
 
-    tokens: list[float] = []
+    tokens: list[list[list[int]]] = []
     original_generate = trainer._generate
 
     def counted_generate(prompts: Any) -> Any:
         out = original_generate(prompts)
         prompt_ids, completion_ids = out[0], out[1]
-        tokens.append(float(sum(map(len, prompt_ids)) + sum(map(len, completion_ids))))
+        tokens.append([[len(p), len(c)] for p, c in zip(prompt_ids, completion_ids, strict=True)])
         return out
 
     trainer._generate = counted_generate
@@ -588,7 +602,7 @@ def instrument_trl_trainer(trainer: Any, timers: PhaseTimers) -> Callable[[], fl
         timers.wrap(optimizer, "step", lambda *a, **k: "optimizer_step")
 
     trainer._benchmark_wrap_optimizer = on_optimizer  # called from the callback's on_train_begin
-    return lambda: tokens.pop() if tokens else float("nan")
+    return lambda: tokens.pop() if tokens else []
 
 
 def build_trl_grpo(
@@ -600,7 +614,7 @@ def build_trl_grpo(
     callback: Any,
     timers: PhaseTimers,
     common: dict[str, Any],
-) -> tuple[Any, int, Callable[[], float]]:
+) -> tuple[Any, int, Callable[[], list[list[int]]]]:
     """The newest TRL's ``GRPOTrainer`` with the settings of :func:`build_trainer` (``settings``:
     ``num_generations``, ``beta``, ``loss_type``; ``batch`` = TRL's ``generation_batch_size``, ``mini_batches``
     = ``steps_per_generation``, ``epochs`` = ``num_iterations``), its phase timers and token counter.
@@ -707,6 +721,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     update_seconds: list[float] = []
     phases: list[dict[str, float]] = []
     tokens: list[float] = []
+    sequence_lengths: list[list[list[int]]] = []
     evals: list[dict[str, float]] = []
     state_holder: dict[str, Any] = {}
 
@@ -748,8 +763,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             now = time.perf_counter()
             update_seconds.append(now - marks["t"])
             phases.append(timers.take())
-            if state_holder["tokens"] is not None:
-                tokens.append(state_holder["tokens"]())
+            rows = state_holder["rows"]()
+            sequence_lengths.append(rows)
+            tokens.append(float(sum(p + n for p, n in rows)) if rows else float("nan"))
             maybe_eval(len(update_seconds))
             marks["t"] = time.perf_counter()
 
@@ -757,7 +773,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         trainer, steps_per_update, token_fn = build_trainer(
             spec, tokenizer, policy, reward, value, prompts["train"], Probe(), timers, tmp
         )
-        state_holder.update(trainer=trainer, steps_per_update=steps_per_update, tokens=token_fn)
+        state_holder.update(trainer=trainer, steps_per_update=steps_per_update, rows=token_fn)
         del reward, value
         models = {
             "policy": policy,
@@ -787,16 +803,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             del trained_before
         log_history = list(trainer.state.log_history)
 
-    # ours reports its phases and tokens itself
+    # ours reports its phases itself (and the same token count as its rollout's rows: perf/tokens_per_sec)
     if impl == "ours":
         logs = [h for h in log_history if "timing/step" in h]
         phases = []
-        tokens = []
         for h in logs:
             own = {k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("timing/")}
             own["optimize"] = own.pop("update", 0.0)  # our training epochs; "update" is redefined below
             phases.append(own)
-            tokens.append(h["perf/tokens_per_sec"] * h["timing/step"])
     for p, total in zip(phases, update_seconds, strict=False):
         p["update"] = total - sum(p.get(k, 0.0) for k in ROLLOUT_PHASES)
         p["total"] = total
@@ -817,6 +831,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     steady = update_seconds[1:] or update_seconds
     median = statistics.median(steady) if steady else float("nan")
     tokens_median = statistics.median(tokens[1:] or tokens) if tokens else float("nan")
+    measured_rows = [r for rows in (sequence_lengths[1:] or sequence_lengths) for r in rows]
+    response_stats = (
+        {
+            "mean": statistics.mean(n for _, n in measured_rows),
+            "min": min(n for _, n in measured_rows),
+            "max": max(n for _, n in measured_rows),
+            "at_limit": sum(n >= s["response_length"] for _, n in measured_rows) / len(measured_rows),
+            "prompt_mean": statistics.mean(p for p, _ in measured_rows),
+        }
+        if measured_rows
+        else None
+    )
     result = {
         "impl": impl,
         "algo": algo,
@@ -837,6 +863,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_update": tokens,
         "tokens_per_update_median": tokens_median,
         "tokens_per_sec": tokens_median / median,
+        # [prompt tokens, response tokens] per completion, real tokens only, per update
+        "sequence_lengths": sequence_lengths,
+        # over the measured updates (the first excluded): response tokens (mean, min, max, share of
+        # responses at response_length) and the mean of real prompt tokens
+        "response_length_stats": response_stats,
         "phases": phases,
         "phases_median": {
             k: statistics.median(p.get(k, 0.0) for p in (phases[1:] or phases))
