@@ -495,15 +495,15 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         metadata={
             "help": "Padding-free forward passes (verl's use_remove_padding, OpenRLHF's packing_samples): the "
             "training forward pass, the rollout's policy, reference and value passes and the reward model's "
-            "scoring (of the policy's ids, or of the texts under its own tokenizer) run on the real tokens of each micro-batch / chunk, whole sequences "
-            "packed into rows as wide as its longest one (position ids restarting at 0 per sequence, "
-            "attention kept within each sequence by transformers' packed-sequence masks, no attention "
-            "mask), and the log-probs, entropies, values and scores are scattered back to the padded "
-            "layout, so the losses are unchanged. Used for each model that keeps attention within packed "
-            "sequences, checked once on a probe (reward models also need a per-token linear score head); "
-            "others (models whose masks ignore the position ids, flash attention) and ZeRO-3 keep padded "
-            "passes (logged). With max_tokens_per_microbatch the budget "
-            "counts real tokens. False: padded passes everywhere."
+            "scoring (of the policy's ids, or of the texts under its own tokenizer) run on the real tokens "
+            "of each micro-batch / chunk, whole sequences packed into rows as wide as its longest one "
+            "(position ids restarting at 0 per sequence, attention kept within each sequence by "
+            "transformers' packed-sequence masks, no attention mask), and the log-probs, entropies, values "
+            "and scores are scattered back to the padded layout, so the losses are unchanged. Used for each "
+            "model that keeps attention within packed sequences, checked once on a probe (reward models "
+            "also need a per-token linear score head); others (models whose masks ignore the position ids, "
+            "flash attention) and ZeRO-3 keep padded passes (logged). With max_tokens_per_microbatch the "
+            "budget counts real tokens. False: padded passes everywhere."
         },
     )
     ratio_tolerance: float = field(
