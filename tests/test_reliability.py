@@ -107,7 +107,7 @@ def test_sigkill_while_saving_and_sigterm_mid_update_resume_like_an_uninterrupte
     proc = _run(kind, stopped, "signal", 3)
     _ok(proc)
     result = json.loads((stopped / "result-rank0.json").read_text())
-    assert result == {"rank": 0, "global_step": 3, "interrupted": True, "world_size": 1}
+    assert result == {"rank": 0, "global_step": 3, "interrupted": True, "world_size": 1, "error": None}
     assert "SIGTERM received" in proc.stderr
     assert (stopped / "checkpoint-3" / "trainer_state.json").is_file()
     _assert_same_steps(full, stopped, [3])
