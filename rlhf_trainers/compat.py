@@ -50,6 +50,15 @@ if TYPE_CHECKING:
 # ---- calls ------------------------------------------------------------------------------------------------
 
 
+def sdpa_has_gqa() -> bool:
+    """Whether this torch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5), from the
+    version, without a probing call."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
 def init_training_state(
     trainer: Trainer,
     max_steps: int,

@@ -1,16 +1,35 @@
 """Packed rows for padding-free forward passes: the real tokens of a padded batch, whole sequences one
-after the other in a few rows, position ids restarting at 0 at each sequence and no attention mask, which
-transformers reads as packed sequences (``create_causal_mask`` keeps attention within each). The on-policy
+after the other, position ids restarting at 0 at each sequence and no attention mask. The on-policy
 engine's passes (:func:`rlhf_trainers.onpolicy.forward.pack_sequences`) and reward-model scoring
-(:func:`packed_pooled_scores`) use it, for the models that pass :func:`padding_free_matches`."""
+(:func:`packed_pooled_scores`) use it, in one of two layouts:
+
+- **One row** (:func:`one_row_matches`): every real token of the batch in a single row, not one position
+  of padding. Attention runs per sequence: for a model on transformers' ``sdpa`` or ``eager`` attention,
+  :func:`one_row_attention` switches it, for the duration of the pass, to :data:`SEGMENT_ATTENTION`, which
+  calls PyTorch's ``scaled_dot_product_attention`` once per sequence (causal, no mask, each sequence's own
+  keys: the work of the real tokens only); a model on a flash-attention kernel reads the sequences from
+  the position ids of the single row itself (its variable-length kernel).
+- **Rows of the longest sequence** (:func:`padding_free_matches`): whole sequences first-fit into rows as
+  wide as the longest, attention kept within each by the block-diagonal mask that transformers'
+  ``create_causal_mask`` builds from the position ids. The free tail of each row is computed like a
+  sequence: measured on the SmolLM2-135M job of docs/benchmarks.md, 12-20 % of the positions of a pass.
+  Used for models that the one-row probe refuses, and for training passes under gradient checkpointing
+  (whose recomputation in the backward pass runs outside :func:`one_row_attention`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from .compat import sdpa_has_gqa
 from .models import _base, embedding_rows
 
 
@@ -26,13 +45,24 @@ class PackedRows:
     destinations: torch.Tensor
     """(B, T) long, where each real token of the batch sits in the flat P x W layout (meaningless at the
     positions that are not real tokens)."""
+    segments: tuple[int, ...] | None = None
+    """One-row layout (``pack_rows(one_row=True)``): the length of each sequence of the single row, in
+    order (their sum is W); None for rows of the longest sequence."""
 
 
 def pack_rows(
-    input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, pad_token_id: int
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    pad_token_id: int,
+    one_row: bool = False,
 ) -> PackedRows:
     """Pack the real tokens (``mask`` True, (B, T)) of each row of ``input_ids``, whole and in order, into
     rows as wide as the longest of them: first fit, longest first. Rows without a real token take no room.
+
+    ``one_row``: all of them in a single row instead, in batch order, no padding at all (a batch without a
+    real token gets one padding position); the row needs :func:`one_row_attention` (or a flash-attention
+    kernel) to keep attention within each sequence.
 
     Rows as wide as the longest sequence, not one row for the whole batch: without a variable-length
     attention kernel (SDPA on CPU gets the packed layout as a dense (W, W) mask) attention grows with the
@@ -43,6 +73,20 @@ def pack_rows(
     mask = mask.bool()
     B = input_ids.shape[0]
     lengths = mask.sum(1)
+    if one_row:
+        counts = [n for n in lengths.tolist() if n]
+        width = max(sum(counts), 1)
+        destinations = mask.long().reshape(-1).cumsum(0).view_as(mask) - 1
+        flat_ids = input_ids.new_full((width,), pad_token_id)
+        flat_ids[destinations[mask]] = input_ids[mask]
+        flat_positions = torch.zeros(width, dtype=position_ids.dtype, device=position_ids.device)
+        flat_positions[destinations[mask]] = position_ids[mask]
+        return PackedRows(
+            input_ids=flat_ids.view(1, width),
+            position_ids=flat_positions.view(1, width),
+            destinations=destinations,
+            segments=tuple(counts) or (1,),
+        )
     width = max(int(lengths.max()) if B else 0, 1)
     used: list[int] = []
     row_of = [0] * B
@@ -79,6 +123,161 @@ def pack_rows(
     )
 
 
+#: The name under which :func:`segment_attention` is registered in transformers' ``AttentionInterface``
+#: (a name of its own: no existing implementation is replaced, and nothing uses it outside
+#: :func:`one_row_attention`).
+SEGMENT_ATTENTION = "rlhf_trainers_segments"
+
+# The sequence lengths of the one-row pass in progress (one_row_attention); None outside one.
+_SEGMENTS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
+    "rlhf_trainers_segments", default=None
+)
+# The attention implementations whose arithmetic segment_attention reproduces.
+_SWITCHABLE = ("sdpa", "eager")
+
+
+def segment_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of a one-row packed pass, one ``scaled_dot_product_attention`` call per sequence
+    (the lengths of :func:`one_row_attention`): each query attends to the earlier keys of its own sequence
+    only, without a mask, so the work is that of the real tokens. transformers' attention-function
+    signature: ``query`` (1, H, N, D), ``key``/``value`` (1, H_kv, N, D); returns (1, N, H, D).
+
+    Refuses what it does not compute: a mask, a non-causal call, logit soft-capping, a sliding window,
+    attention sinks or a position bias, and a call outside :func:`one_row_attention`."""
+    segments = _SEGMENTS.get()
+    if segments is None:
+        raise RuntimeError(
+            f"The {SEGMENT_ATTENTION!r} attention runs only inside rlhf_trainers.packing.one_row_attention "
+            "(a one-row packed pass); this model's config still names it outside one."
+        )
+    unsupported = [
+        name
+        for name in ("softcap", "sliding_window", "s_aux", "position_bias")
+        if kwargs.get(name) is not None
+    ]
+    if attention_mask is not None or is_causal is False or unsupported:
+        raise ValueError(
+            f"{SEGMENT_ATTENTION!r} computes plain causal attention per sequence; this call also has "
+            f"{unsupported or ['an attention mask' if attention_mask is not None else 'is_causal=False']}."
+        )
+    if query.shape[0] != 1 or query.shape[2] != sum(segments) or key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{SEGMENT_ATTENTION!r}: the sequence lengths {list(segments)} (sum {sum(segments)}) do not "
+            f"describe this pass's one row (query {tuple(query.shape)}, key {tuple(key.shape)})."
+        )
+    groups = query.shape[1] // key.shape[1]
+    gqa: dict[str, Any] = {}
+    if groups > 1:
+        if sdpa_has_gqa():
+            gqa["enable_gqa"] = True
+        else:  # torch < 2.5: the key/value heads repeated for their query heads
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+    p = dropout if module.training else 0.0
+    outputs = []
+    start = 0
+    for n in segments:
+        end = start + n
+        outputs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start:end],
+                key[:, :, start:end],
+                value[:, :, start:end],
+                dropout_p=p,
+                is_causal=True,
+                scale=scaling,
+                **gqa,
+            )
+        )
+        start = end
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_segment_attention() -> bool:
+    """Register :func:`segment_attention` under :data:`SEGMENT_ATTENTION` (once); False where this
+    transformers has no ``AttentionInterface``."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:  # pragma: no cover - transformers < 4.48
+        return False
+    if SEGMENT_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+    return True
+
+
+def _config_of(model: nn.Module) -> Any:
+    try:
+        return _base(model).config
+    except AttributeError:
+        return None
+
+
+@contextlib.contextmanager
+def one_row_attention(
+    models: nn.Module | Iterable[nn.Module | None], segments: tuple[int, ...]
+) -> Iterator[None]:
+    """Inside the context, the forward passes of ``models`` (on ``sdpa`` or ``eager`` attention) keep
+    attention within the sequences of a one-row packed pass whose sequences have these lengths
+    (:func:`segment_attention`); after it, each model's attention is what it was. Models on another
+    implementation (a flash-attention kernel, which reads the sequences from the position ids) are left
+    as they are. Backward passes need no context: autograd does not call the attention function again
+    (unless gradient checkpointing recomputes the forward: keep such passes in the rows layout)."""
+    if isinstance(models, nn.Module):
+        models = [models]
+    switched = []
+    token = _SEGMENTS.set(tuple(segments))
+    try:
+        for model in models:
+            config = _config_of(model) if model is not None else None
+            if config is not None and getattr(config, "_attn_implementation", None) in _SWITCHABLE:
+                if not _register_segment_attention():
+                    continue
+                switched.append((config, config._attn_implementation))
+                config._attn_implementation = SEGMENT_ATTENTION
+        yield
+    finally:
+        for config, implementation in reversed(switched):
+            config._attn_implementation = implementation
+        _SEGMENTS.reset(token)
+
+
+# one_row_matches' answers: per model, per attention implementation (weak keys: no model kept alive).
+_ONE_ROW_CHECKED: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
+def one_row_matches(model: nn.Module) -> bool:
+    """Whether the model's passes can run in the one-row layout (:func:`pack_rows` ``one_row``): four
+    sequences in a single row, each with its own positions, under :func:`one_row_attention`, must give the
+    final hidden states each gives alone (the probe of :func:`padding_free_matches`, in eval mode; checked
+    once per model and attention implementation). Refused without a probe: attention with logit
+    soft-capping or a sliding window (not computed by :func:`segment_attention`)."""
+    config = _config_of(model)
+    if config is None:
+        return False
+    implementation = str(getattr(config, "_attn_implementation", None))
+    known = _ONE_ROW_CHECKED.get(model, {})
+    if implementation not in known:
+        text = getattr(config, "get_text_config", lambda: config)()
+        windowed = any(
+            getattr(text, name, None) is not None
+            for name in ("attn_logit_softcapping", "final_logit_softcapping")
+        ) or (getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True))
+        known[implementation] = not windowed and _probe_packed(model, one_row=True)
+        _ONE_ROW_CHECKED[model] = known
+    return known[implementation]
+
+
 def backbone_of(model: nn.Module) -> nn.Module | None:
     """The transformer under a causal-LM or sequence-classification head (under PEFT too), or None."""
     try:
@@ -89,15 +288,21 @@ def backbone_of(model: nn.Module) -> nn.Module | None:
     return backbone if isinstance(backbone, nn.Module) else None
 
 
-@torch.no_grad()
 def padding_free_matches(model: nn.Module) -> bool:
     """Whether the model keeps attention within the sequences of packed rows (position ids restarting at
     0, no attention mask), checked once on a probe in eval mode: four sequences packed two by two into two
     rows (the layout of :func:`pack_sequences`) must give the final hidden states each gives alone.
     Models whose attention masks are not built from the position ids (transformers' ``create_causal_mask``)
     would let a row's second sequence attend to its first and fail it, and so does transformers' flash
-    attention, which reads packed sequences from the position ids of a single row only; their passes stay
-    padded."""
+    attention, which reads packed sequences from the position ids of a single row only (it passes
+    :func:`one_row_matches` instead); their passes stay padded."""
+    return _probe_packed(model, one_row=False)
+
+
+@torch.no_grad()
+def _probe_packed(model: nn.Module, one_row: bool) -> bool:
+    """Four sequences packed (two rows of two, or one row of four under :func:`one_row_attention`) must
+    give the final hidden states each gives alone, in eval mode."""
     backbone = backbone_of(model)
     if backbone is None:
         return False
@@ -124,7 +329,13 @@ def padding_free_matches(model: nn.Module) -> bool:
                 for row in sequences
             ]
         )
-        packed = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        if one_row:
+            with one_row_attention(model, tuple(n for row in lengths for n in row)):
+                packed = backbone(
+                    input_ids=ids.reshape(1, -1), position_ids=positions.reshape(1, -1), use_cache=False
+                ).last_hidden_state.view_as(alone)
+        else:
+            packed = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
     except Exception:  # any failure means: keep the padded passes
         return False
     finally:
@@ -153,23 +364,40 @@ def packed_score_head(model: nn.Module) -> nn.Linear | None:
     return head if getattr(_base(model), name, None) is head and type(head) is nn.Linear else None
 
 
+def packing_layout(model: nn.Module) -> str | None:
+    """How the model's passes are packed: ``"one_row"`` (:func:`one_row_matches`), else ``"rows"``
+    (:func:`padding_free_matches`), else None (padded passes)."""
+    if one_row_matches(model):
+        return "one_row"
+    return "rows" if padding_free_matches(model) else None
+
+
+def packed_context(
+    models: nn.Module | Iterable[nn.Module | None], segments: tuple[int, ...] | None
+) -> contextlib.AbstractContextManager[None]:
+    """:func:`one_row_attention` for a one-row packed pass (``segments``, :attr:`PackedRows.segments`);
+    nothing for rows of the longest sequence (None)."""
+    return one_row_attention(models, segments) if segments is not None else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def packed_pooled_scores(
     model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, pad_token_id: int
 ) -> torch.Tensor:
-    """Pooled logits (B, num_labels) of a sequence-classification model that passes
-    :func:`padding_free_matches` and has a :func:`packed_score_head`: each row's real tokens (``mask``,
-    either padding side) packed (:func:`pack_rows`), the head applied to the final hidden state of each
-    row's last real token, as the padded model reads it. Every row must hold a real token."""
+    """Pooled logits (B, num_labels) of a sequence-classification model with a :func:`packing_layout` and
+    a :func:`packed_score_head`: each row's real tokens (``mask``, either padding side) packed
+    (:func:`pack_rows`, in the model's layout), the head applied to the final hidden state of each row's
+    last real token, as the padded model reads it. Every row must hold a real token."""
     mask = mask.bool()
     positions = (mask.long().cumsum(1) - mask.long()).masked_fill(~mask, 0)
-    rows = pack_rows(input_ids, mask, positions, pad_token_id)
+    rows = pack_rows(input_ids, mask, positions, pad_token_id, one_row=one_row_matches(model))
     backbone = backbone_of(model)
     head = packed_score_head(model)
     assert backbone is not None and head is not None, "a model that packed_score_head accepts"
-    hidden = backbone(
-        input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False
-    ).last_hidden_state
+    with packed_context(model, rows.segments):
+        hidden = backbone(
+            input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False
+        ).last_hidden_state
     last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)
     index = rows.destinations[torch.arange(mask.shape[0], device=mask.device), last]
     return head(hidden.reshape(-1, hidden.shape[-1])[index])

@@ -37,7 +37,7 @@ from .models import (
     pooled_scores,
     readable_pad_id,
 )
-from .packing import packed_pooled_scores, packed_score_head, padding_free_matches
+from .packing import packed_pooled_scores, packed_score_head, packing_layout
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def score_texts(
     bias are applied. ``forward`` replaces ``model.__call__`` (e.g. a DeepSpeed engine). A tokenizer pad id
     past the model's embedding table is replaced by 0 (:func:`rlhf_trainers.models.pooled_scores`).
     ``padding_free`` runs each batch's real tokens packed, as :func:`score_ids` does (for a model that
-    passes :func:`rlhf_trainers.packing.padding_free_matches` and has a
+    passes :func:`rlhf_trainers.packing.packing_layout` and has a
     :func:`rlhf_trainers.packing.packed_score_head`; ignored with ``forward``).
     """
     device = next(model.parameters()).device
@@ -341,7 +341,7 @@ def score_ids(
         forward: replaces ``model.__call__`` (e.g. a DeepSpeed engine); without it, ZeRO-3 partitioned
             weights are gathered for the forward passes.
         padding_free: run each chunk's real tokens packed (:func:`rlhf_trainers.packing.packed_pooled_scores`;
-            for a model that passes :func:`rlhf_trainers.packing.padding_free_matches` and has a
+            for a model that passes :func:`rlhf_trainers.packing.packing_layout` and has a
             :func:`rlhf_trainers.packing.packed_score_head`, without ``forward``); a chunk with a row
             without any real token is scored padded.
 
@@ -834,14 +834,14 @@ class RewardSources:
             model.train(was_training)
 
     def _packs_reward_model(self) -> bool:
-        """``padding_free`` and a reward model that passes :func:`rlhf_trainers.packing.padding_free_matches`
+        """``padding_free`` and a reward model that passes :func:`rlhf_trainers.packing.packing_layout`
         with a per-token linear head (:func:`rlhf_trainers.packing.packed_score_head`); checked once, with
         an info line when it does not."""
         if not self.padding_free or self.reward_model is None:
             return False
         if self._pack_reward is None:
             model = self.reward_model
-            self._pack_reward = packed_score_head(model) is not None and padding_free_matches(model)
+            self._pack_reward = packed_score_head(model) is not None and packing_layout(model) is not None
             if not self._pack_reward:
                 logger.info(
                     "padding_free: the reward model (%s) does not keep attention within packed sequences or "

@@ -109,7 +109,10 @@ def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path):
     assert type(plain) is BuiltinSampling and plain.name == "builtin" and plain.fast_steps is None
     builtin = make_generation_backend(policy, RLOOConfig(**base), device=cpu)
     assert type(builtin) is BuiltinSampling and builtin.logprobs_for_rollout
-    assert builtin.name == "builtin (lean Llama steps)" and builtin.fast_steps is not None
+    # On CPU with MKL's packed GEMM (x86 torch wheels): the lean steps on prepacked weights.
+    assert builtin.name == "builtin (lean Llama steps on MKL-prepacked weights)" and builtin.fast_steps
+    unpacked = make_generation_backend(policy, RLOOConfig(**base, mkl_prepacked_decoding=False), device=cpu)
+    assert unpacked.name == "builtin (lean Llama steps)" and unpacked.fast_steps is not None
     no_lean = make_generation_backend(policy, RLOOConfig(**base, lean_decoding=False), device=cpu)
     assert no_lean.name == "builtin" and no_lean.fast_steps is None
     hf = make_generation_backend(policy, RLOOConfig(**base, generation_loop="transformers"), device=cpu)
@@ -155,7 +158,11 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
     trainer.train()
     assert len(built) == 1 and trainer.generation_backend is built[0]
     assert len(calls) >= 2  # every rollout sampled through it
-    expected = "builtin (lean Llama steps)" if loop == "builtin" else "transformers.generate"
+    expected = (
+        "builtin (lean Llama steps on MKL-prepacked weights)"
+        if loop == "builtin"
+        else "transformers.generate"
+    )
     assert trainer.generation_backend.name == expected
     assert f"generation: {expected}." in trainer.batch_accounting()
 

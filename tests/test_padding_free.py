@@ -1,8 +1,8 @@
-"""Padding-free passes (``padding_free``): the real tokens of a batch packed into rows, position ids
-restarting per sequence. The packed passes must give the padded passes' log-probs, entropies, values and
-gradients (float32) for the kit's Llama, GPT-2 and GPT-NeoX models, with and without a LoRA adapter, and
-whole PPO / RLOO runs the same metrics; models that would let attention cross packed sequences keep the
-padded passes."""
+"""Padding-free passes (``padding_free``): the real tokens of a batch packed (in one row, attention per
+sequence, or in rows of the longest sequence), position ids restarting per sequence. The packed passes
+must give the padded passes' log-probs, entropies, values and gradients (float32) for the kit's Llama,
+GPT-2 and GPT-NeoX models, with and without a LoRA adapter, in both layouts, and whole PPO / RLOO runs the
+same metrics; models that would let attention cross packed sequences keep the padded passes."""
 
 from __future__ import annotations
 
@@ -12,12 +12,22 @@ import logging
 import pytest
 import torch
 
+from rlhf_trainers import packing as packing_module
 from rlhf_trainers.onpolicy.forward import pack_sequences, sequence_inputs, trim_bounds
-from rlhf_trainers.packing import packed_score_head, padding_free_matches
+from rlhf_trainers.packing import (
+    SEGMENT_ATTENTION,
+    one_row_attention,
+    one_row_matches,
+    pack_rows,
+    packed_score_head,
+    padding_free_matches,
+    segment_attention,
+)
 from rlhf_trainers.reward_sources import score_ids, score_texts
 from tests import test_ppo, test_rloo
 
 ARCHITECTURES = ("llama", "gpt2", "gpt_neox")
+LAYOUTS = ("one_row", "rows")
 #: float32: packed and padded passes differ by rounding only (measured: 0 to ~1e-6 on the kit models).
 ATOL = 1e-5
 
@@ -53,15 +63,24 @@ def _padded(trainer):
         trainer._pack_policy, trainer._pack_ref, trainer._pack_values = flags
 
 
-def test_pack_sequences_keeps_each_real_token_once_with_its_own_positions():
+QUERY_LENGTHS, RESPONSE_LENGTHS = [5, 2, 1, 3], [4, 1, 0, 2]  # row 2: no valid response token
+
+
+def _small_batch():
+    """4 left-padded prompts (5 columns) and right-padded responses (4 columns) of the lengths above."""
     torch.manual_seed(0)
     Q, R = 5, 4
-    query_lengths, response_lengths = [5, 2, 1, 3], [4, 1, 0, 2]  # row 2: no valid response token
     query = torch.randint(10, 50, (4, Q))
     response = torch.randint(10, 50, (4, R))
-    query_mask = torch.arange(Q)[None, :] >= Q - torch.tensor(query_lengths)[:, None]
-    response_mask = torch.arange(R)[None, :] < torch.tensor(response_lengths)[:, None]
+    query_mask = torch.arange(Q)[None, :] >= Q - torch.tensor(QUERY_LENGTHS)[:, None]
+    response_mask = torch.arange(R)[None, :] < torch.tensor(RESPONSE_LENGTHS)[:, None]
     ids, mask, positions = sequence_inputs(query, query_mask, response, response_mask, 0)
+    return query, response, response_mask, ids, mask, positions
+
+
+def test_pack_sequences_keeps_each_real_token_once_with_its_own_positions():
+    query_lengths, response_lengths = QUERY_LENGTHS, RESPONSE_LENGTHS
+    _, response, response_mask, ids, mask, positions = _small_batch()
     packed = pack_sequences(ids, mask, positions, response_mask, pad_token_id=0)
     # Kept sequences of 9, 3 and 5 tokens, in rows as wide as the longest: [9] and [5, 3] (first fit).
     assert packed.input_ids.shape[1] == 9
@@ -91,6 +110,66 @@ def test_pack_sequences_keeps_each_real_token_once_with_its_own_positions():
     assert torch.equal(back.bool(), response_mask)
 
 
+def test_one_row_packing_keeps_every_real_token_once_and_no_padding():
+    _, response, response_mask, ids, mask, positions = _small_batch()
+    packed = pack_sequences(ids, mask, positions, response_mask, pad_token_id=0, one_row=True)
+    # The kept sequences (9, 3 and 5 tokens) one after the other in batch order, not one padding position.
+    assert packed.input_ids.shape == (1, 17)
+    assert packed.segments == (9, 3, 5)
+    kept = [0, 1, 3]
+    assert torch.equal(packed.input_ids[0], torch.cat([ids[b][mask[b].bool()] for b in kept]))
+    assert torch.equal(packed.position_ids[0], torch.cat([torch.arange(n) for n in (9, 3, 5)]))
+    predicted = response.reshape(-1)[packed.targets]
+    assert torch.equal(packed.input_ids[0][packed.sources + 1], predicted)
+    # A batch without a real token: one padding position (a pass over nothing is no pass).
+    empty = pack_rows(ids, torch.zeros_like(mask), positions, 0, one_row=True)
+    assert empty.input_ids.shape == (1, 1) and empty.segments == (1,)
+
+
+def test_segment_attention_is_causal_attention_within_each_sequence():
+    torch.manual_seed(0)
+    segments = (3, 1, 5)
+    q, k, v = (
+        torch.randn(1, 6, 9, 8),
+        torch.randn(1, 2, 9, 8),
+        torch.randn(1, 2, 9, 8),
+    )  # 3 query heads per kv
+    module = torch.nn.Module()
+    with one_row_attention([], segments):
+        out, weights = segment_attention(module, q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (1, 9, 6, 8)
+    start = 0
+    for n in segments:  # each sequence alone: its own keys, causal
+        kk, vv = (t[:, :, start : start + n].repeat_interleave(3, dim=1) for t in (k, v))
+        scores = (q[:, :, start : start + n] @ kk.transpose(-1, -2)) * 0.3
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want = (scores.softmax(-1) @ vv).transpose(1, 2)
+        torch.testing.assert_close(out[:, start : start + n], want, rtol=0, atol=1e-6)
+        start += n
+    # Refused: outside a one-row pass, with a mask, lengths that are not this row's.
+    with pytest.raises(RuntimeError, match="one_row_attention"):
+        segment_attention(module, q, k, v, None)
+    with one_row_attention([], segments), pytest.raises(ValueError, match="attention mask"):
+        segment_attention(module, q, k, v, torch.ones(1, 1, 9, 9, dtype=torch.bool))
+    with one_row_attention([], (4, 4)), pytest.raises(ValueError, match="do not describe"):
+        segment_attention(module, q, k, v, None)
+
+
+def test_one_row_attention_switches_sdpa_and_eager_models_for_the_pass_only(kit):
+    model = kit.load_model("llama")
+    assert model.config._attn_implementation == "sdpa"
+    with one_row_attention(model, (4,)):
+        assert model.config._attn_implementation == SEGMENT_ATTENTION
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(KeyError), one_row_attention(model, (4,)):
+        raise KeyError("a failure inside the pass")
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"
+    with one_row_attention(model, (4,)):
+        assert model.config._attn_implementation == SEGMENT_ATTENTION
+    assert model.config._attn_implementation == "eager"
+
+
 def test_pack_sequences_is_none_without_a_valid_response_token():
     ids = torch.ones(2, 5, dtype=torch.long)
     mask = torch.ones(2, 5, dtype=torch.long)
@@ -110,18 +189,36 @@ def _ppo(kit, tmp_path, arch, lora, **kwargs):
     return trainer
 
 
-CASES = [(arch, lora, True) for arch in ARCHITECTURES for lora in (False, True)]
-CASES += [(arch, False, False) for arch in ARCHITECTURES]  # the logits path (fused_lm_head=False)
+CASES = [(arch, lora, True, layout) for arch in ARCHITECTURES for lora in (False, True) for layout in LAYOUTS]
+CASES += [(arch, False, False, layout) for arch in ARCHITECTURES for layout in LAYOUTS]  # fused_lm_head=False
+
+
+def _count_segment_attention(monkeypatch) -> list[int]:
+    """Calls of the registered segment attention (one per layer and sequence batch), counted."""
+    from transformers import AttentionInterface
+
+    packing_module._register_segment_attention()
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return segment_attention(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, SEGMENT_ATTENTION, counted)
+    return calls
 
 
 @pytest.mark.parametrize(
-    ("arch", "lora", "fused"),
+    ("arch", "lora", "fused", "layout"),
     CASES,
-    ids=[f"{a}-{'lora' if lora else 'full'}-{'fused' if f else 'logits'}" for a, lora, f in CASES],
+    ids=[f"{a}-{'lora' if lora else 'full'}-{'fused' if f else 'logits'}-{la}" for a, lora, f, la in CASES],
 )
-def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, monkeypatch):
+def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, layout, monkeypatch):
     trainer = _ppo(kit, tmp_path, arch, lora, fused_lm_head=fused)
     assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
+    assert trainer._pack_one_row  # every kit model takes the one-row layout
+    trainer._pack_one_row = layout == "one_row"
+    segment_calls = _count_segment_attention(monkeypatch)
     assert trainer._fused_policy == fused
     if not fused:  # the packed logits path computes the predicting positions' logits only
         from rlhf_trainers.onpolicy import forward
@@ -169,24 +266,46 @@ def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, mo
         torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=ATOL, msg=name)
     for got, want in zip(results["packed"][3], results["padded"][3], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL)
+    # The one-row passes ran through the segment attention, the rows layout never did.
+    assert bool(segment_calls) == (layout == "one_row")
 
 
 def test_a_model_that_lets_attention_cross_packed_sequences_stays_padded(kit, tmp_path, caplog):
+    from transformers import AttentionInterface
+
     model = kit.load_model("llama-sft")
-    assert padding_free_matches(model)
-    backbone = model.model
-    forward = backbone.forward
+    assert padding_free_matches(model) and one_row_matches(model)
 
-    def positions_ignored(*args, position_ids=None, **kwargs):  # as a model that computes its own
-        return forward(*args, **kwargs)
+    def whole_row(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        # An attention of the model's own: causal over the whole row, blind to masks and positions.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
 
-    backbone.forward = positions_ignored
-    assert not padding_free_matches(model)
+    AttentionInterface.register("test_whole_row", whole_row)
+    model.config._attn_implementation = "test_whole_row"
+    assert not padding_free_matches(model) and not one_row_matches(model)
     with caplog.at_level(logging.INFO, logger="rlhf_trainers.onpolicy.setup"):
         trainer = test_rloo._trainer(kit, tmp_path, model=model, padding_free=True)
     assert not trainer._pack_policy and not trainer._pack_ref
     assert "does not keep attention within packed sequences" in caplog.text
     assert trainer._packed(*_inputs(trainer)) is None
+
+
+def test_training_passes_under_gradient_checkpointing_keep_rows_of_the_longest_sequence(kit, tmp_path):
+    # Checkpointing recomputes a layer's forward in the backward pass, outside the pass's
+    # one_row_attention: the training passes keep the rows layout, the no-grad rollout passes one row.
+    trainer = test_ppo._trainer(kit, tmp_path, padding_free=True, gradient_checkpointing=True)
+    assert trainer._pack_one_row
+    inputs = _inputs(trainer)
+    assert trainer._packed(*inputs, training=True).segments is not None  # not enabled before train()
+    trainer._enable_gradient_checkpointing()  # what train() does first
+    assert trainer._packed(*inputs).segments is not None
+    assert trainer._packed(*inputs, training=True).segments is None
+    trainer.policy.gradient_checkpointing_disable()
+    trainer.value_model.gradient_checkpointing_disable()
+    assert trainer._packed(*inputs, training=True).segments is not None
 
 
 def _inputs(trainer):
@@ -215,8 +334,10 @@ def test_whole_runs_give_the_same_metrics_and_model(kit, tmp_path, algorithm, mo
 
     shared = []  # whether some packed row held several sequences, per packing
 
-    def spy(ids, mask, positions, response_mask, pad):
-        packed = pack_sequences(ids, mask, positions, response_mask, pad)
+    def spy(ids, mask, positions, response_mask, pad, **kwargs):
+        packed = pack_sequences(ids, mask, positions, response_mask, pad, **kwargs)
+        # the default layout: all of a pass's sequences in one row
+        assert packed is None or packed.segments is not None
         shared.append(packed is not None and packed.input_ids.shape[0] < int(response_mask.any(1).sum()))
         return packed
 

@@ -359,3 +359,83 @@ def test_config_errors(tmp_path):
         RLOOConfig(**base, rollout_logprobs="generation", disable_dropout=False)
     with pytest.raises(ValueError, match="truncated_is_cap"):
         RLOOConfig(**base, rollout_logprobs="generation", truncated_is_cap=2.0)
+
+
+def _prepacked_steps_built(monkeypatch) -> list:
+    """The LeanLlamaSteps objects the prepacked provider builds, kept."""
+    from rlhf_trainers import cpu_speedups
+
+    built = []
+    build = cpu_speedups.LeanLlamaSteps.build
+
+    def keep(*args, **kwargs):
+        steps = build(*args, **kwargs)
+        built.append(steps)
+        return steps
+
+    monkeypatch.setattr(cpu_speedups.LeanLlamaSteps, "build", staticmethod(keep))
+    return built
+
+
+@pytest.mark.parametrize(("temperature", "stop"), [(1.0, False), (0.7, True)])
+def test_mkl_prepacked_decoding_samples_what_the_forward_samples(
+    policy, prompts, monkeypatch, temperature, stop
+):
+    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked, mkl_prepacked_linear_available
+
+    assert mkl_prepacked_linear_available()  # x86 torch wheels (CI's) have MKL's packed GEMM
+    built = _prepacked_steps_built(monkeypatch)
+    tok, ids, mask = prompts
+    runs = []
+    for provider in (lean_llama_steps_prepacked, None):
+        torch.manual_seed(5)
+        settings = SamplingSettings(
+            max_new_tokens=12,
+            temperature=temperature,
+            pad_token_id=tok.pad_token_id,
+            stop_token_ids=[tok.eos_token_id] if stop else [],
+            return_logprobs=True,
+        )
+        runs.append(sample_with_kv_cache(policy, ids, mask, settings, provider))
+    _assert_same_samples(*runs)
+    # Every plain linear layer of the model (lm head included) was packed once, for the batch's 8 rows.
+    (steps,) = built
+    linears = [m for m in policy.modules() if type(m) is torch.nn.Linear]
+    assert set(steps.packed) == set(linears) and steps.rows == ids.shape[0] and steps.llama_mlp
+
+
+def test_mkl_prepacked_decoding_leaves_lora_layers_to_their_own_forward(kit, prompts, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked
+
+    built = _prepacked_steps_built(monkeypatch)
+    model = get_peft_model(
+        kit.load_model("llama-sft"),
+        LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False, lora_dropout=0.0),
+    ).eval()
+    tok, ids, mask = prompts
+    runs = []
+    for provider in (lean_llama_steps_prepacked, None):
+        torch.manual_seed(2)
+        settings = SamplingSettings(max_new_tokens=8, pad_token_id=tok.pad_token_id, return_logprobs=True)
+        runs.append(sample_with_kv_cache(model, ids, mask, settings, provider))
+    _assert_same_samples(*runs)
+    packed = built[0].packed
+    assert packed and not any("lora" in type(m).__module__ for m in packed)
+    assert all(type(m) is torch.nn.Linear for m in packed)
+
+
+def test_the_trainer_decodes_on_prepacked_weights_by_default_and_not_when_asked(kit, tmp_path):
+    from rlhf_trainers.cpu_speedups import lean_llama_steps, lean_llama_steps_prepacked
+
+    on = _trainer(kit, tmp_path / "on")
+    assert on.generation_backend.fast_steps is lean_llama_steps_prepacked
+    assert "MKL-prepacked weights" in on.batch_accounting()
+    for name, extra in (
+        ("off", {"mkl_prepacked_decoding": False}),
+        ("onednn", {"onednn_linear": True, "onednn_linear_min_weights": 0}),
+    ):
+        trainer = _trainer(kit, tmp_path / name, **extra)
+        assert trainer.generation_backend.fast_steps is lean_llama_steps, name
+        assert "MKL-prepacked" not in trainer.batch_accounting(), name

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import functional as F
 from ..models import _base, embedding_rows
-from ..packing import pack_rows
+from ..packing import pack_rows, packed_context
 
 
 class PolicyAndValue(nn.Module):
@@ -97,6 +97,13 @@ class PackedSequences:
     """(n,) long, flat indices into the (B, R) response layout of the tokens they predict."""
     response_shape: tuple[int, int]
     """(B, R): the padded response layout the results are scattered back into."""
+    segments: tuple[int, ...] | None = None
+    """One-row layout (P = 1): the length of each packed sequence, for
+    :func:`~rlhf_trainers.packing.one_row_attention`; None for rows of the longest sequence."""
+
+    def context(self, model: nn.Module) -> Any:
+        """The context ``model``'s pass on these rows runs in (:func:`rlhf_trainers.packing.packed_context`)."""
+        return packed_context(model, self.segments)
 
     @property
     def num_tokens(self) -> int:
@@ -120,11 +127,12 @@ def pack_sequences(
     position_ids: torch.Tensor,
     response_mask: torch.Tensor,
     pad_token_id: int,
+    one_row: bool = False,
 ) -> PackedSequences | None:
     """Pack the (B, Q + R) batch of :func:`sequence_inputs` (left-padded prompts, right-padded responses)
-    for a padding-free pass (:func:`rlhf_trainers.packing.pack_rows`): the real tokens of each row that has
-    a valid response token (``response_mask`` (B, R)); the rows whose response has no valid token are left
-    out (nothing of theirs is read). None when no row has one."""
+    for a padding-free pass (:func:`rlhf_trainers.packing.pack_rows`, in one row with ``one_row``): the
+    real tokens of each row that has a valid response token (``response_mask`` (B, R)); the rows whose
+    response has no valid token are left out (nothing of theirs is read). None when no row has one."""
     B, T = input_ids.shape
     R = response_mask.shape[1]
     Q = T - R
@@ -134,7 +142,7 @@ def pack_sequences(
     if not bool(kept.any()):
         return None
     mask = mask & kept[:, None]
-    rows = pack_rows(input_ids, mask, position_ids, pad_token_id)
+    rows = pack_rows(input_ids, mask, position_ids, pad_token_id, one_row=one_row)
     dest = rows.destinations
     device = input_ids.device
     # Response token r of row b is predicted at column Q - 1 + r, a real token (the last prompt token or
@@ -149,6 +157,7 @@ def pack_sequences(
         sources=sources,
         targets=targets,
         response_shape=(B, R),
+        segments=rows.segments,
     )
 
 
@@ -251,11 +260,11 @@ def response_logprobs(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state[:, -(R + 1) : -1]
         else:
-            hidden = packing.gather(
-                backbone(
+            with packing.context(model):
+                packed_hidden = backbone(
                     input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False
                 ).last_hidden_state
-            )[None]
+            hidden = packing.gather(packed_hidden)[None]
         logprobs, entropy = F.logprobs_and_entropy_from_hidden(
             hidden,
             head.weight,
@@ -317,9 +326,10 @@ def packed_logits(model: nn.Module, packing: PackedSequences) -> torch.Tensor:
         keep = torch.zeros(packing.num_tokens, dtype=torch.bool, device=packing.input_ids.device)
         keep[packing.sources] = True
         kwargs["logits_to_keep"] = keep.view_as(packing.input_ids)
-    logits = model(
-        input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False, **kwargs
-    ).logits
+    with packing.context(model):
+        logits = model(
+            input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False, **kwargs
+        ).logits
     if logits.dim() == 3 and logits.shape[:2] == packing.input_ids.shape:
         return packing.gather(logits)  # the model computed every position's
     if logits.dim() != 2 or logits.shape[0] != n:
@@ -404,7 +414,8 @@ def response_values(
     if packing is None:
         R = response_width
         return token_values(model, input_ids, attention_mask, position_ids)[:, -(R + 1) : -1]
-    values = token_values(model, packing.input_ids, None, packing.position_ids)
+    with packing.context(model):
+        values = token_values(model, packing.input_ids, None, packing.position_ids)
     return packing.scatter(packing.gather(values))
 
 

@@ -392,14 +392,31 @@ class RolloutSteps:
         return sequence_inputs(query, query_mask, response, response_mask, self._input_pad_id)
 
     def _packed(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, response_mask: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        response_mask: torch.Tensor,
+        training: bool = False,
     ) -> PackedSequences | None:
         """The inputs of :meth:`_sequence_inputs` packed for the padding-free passes
         (:func:`~rlhf_trainers.onpolicy.forward.pack_sequences`); None when no model's passes are packed
-        (``padding_free`` off, or no model passed the check) or no row has a valid response token."""
+        (``padding_free`` off, or no model passed the check) or no row has a valid response token.
+
+        In one row when every packed model takes it, except for a ``training`` pass of a model under
+        gradient checkpointing: its backward pass recomputes the forward outside the pass's
+        :func:`~rlhf_trainers.packing.one_row_attention`, so it keeps rows of the longest sequence."""
         if not (self._pack_policy or self._pack_ref or self._pack_values):
             return None
-        return pack_sequences(ids, mask, positions, response_mask, self._input_pad_id)
+        one_row = getattr(self, "_pack_one_row", False)
+        if one_row and training:
+            one_row = not any(
+                getattr(module, "gradient_checkpointing", False) is True
+                for model in (self.policy, self.value_model)
+                if model is not None
+                for module in model.modules()
+            )
+        return pack_sequences(ids, mask, positions, response_mask, self._input_pad_id, one_row=one_row)
 
     @torch.no_grad()
     def _reference_logprobs(

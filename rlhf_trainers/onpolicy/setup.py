@@ -27,7 +27,7 @@ from ..models import (
     seeded,
     tokenizer_of,
 )
-from ..packing import padding_free_matches
+from ..packing import packing_layout
 from .config import OnPolicyConfig
 from .forward import fused_head_matches
 
@@ -350,26 +350,32 @@ class SetupSteps:
             self._fused_ref = on and self._ref_forward is None and fused_head_matches(self.ref_model)
 
     def _resolve_padding_free(self) -> None:
-        """``padding_free``: pack the passes of each model (policy, reference, value model) that passes
-        :func:`padding_free_matches`; the others keep the padded passes, with an info line saying so.
-        Never under ZeRO-3 (its partitioned weights and inference engines were not tried with packing)."""
+        """``padding_free``: pack the passes of each model (policy, reference, value model) that has a
+        :func:`~rlhf_trainers.packing.packing_layout`; the others keep the padded passes, with an info line
+        saying so. The packed passes of a batch share one layout: a single row of all its real tokens when
+        every packed model takes it, else rows of the longest sequence. Never under ZeRO-3 (its
+        partitioned weights and inference engines were not tried with packing)."""
         self._pack_policy = self._pack_ref = self._pack_values = False
+        self._pack_one_row = False
         if not self.args.padding_free:
             return
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             logger.info("padding_free: not under DeepSpeed ZeRO-3; every forward pass stays padded.")
             return
+        layouts: list[str] = []
 
         def check(name: str, model: Any) -> bool:
-            ok = padding_free_matches(model)
-            if not ok:
+            layout = packing_layout(model)
+            if layout is None:
                 logger.info(
                     "padding_free: the %s (%s) does not keep attention within packed sequences (checked on a "
                     "probe at construction); its forward passes stay padded.",
                     name,
                     type(model).__name__,
                 )
-            return ok
+                return False
+            layouts.append(layout)
+            return True
 
         self._pack_policy = check("policy", self.policy)
         if self.ref_model is None:
@@ -378,3 +384,4 @@ class SetupSteps:
             self._pack_ref = check("reference model", self.ref_model)
         if self.value_model is not None:
             self._pack_values = check("value model", self.value_model)
+        self._pack_one_row = bool(layouts) and all(layout == "one_row" for layout in layouts)

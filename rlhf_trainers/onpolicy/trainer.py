@@ -443,7 +443,7 @@ class OnPolicyTrainer(
         response, response_mask = response[:, :end], response_mask[:, :end]
         ids, mask, positions = self._sequence_inputs(query, query_mask, response, response_mask)
         response = ids[:, query.shape[1] :]  # padding as the forward pass reads it (an id it has)
-        packing = self._packed(ids, mask, positions, response_mask)
+        packing = self._packed(ids, mask, positions, response_mask, training=True)
         logprobs, values, entropy = model(
             input_ids=ids,
             attention_mask=mask,
