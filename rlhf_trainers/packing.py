@@ -7,8 +7,9 @@ engine's passes (:func:`rlhf_trainers.onpolicy.forward.pack_sequences`) and rewa
   of padding. Attention runs per sequence: for a model on transformers' ``sdpa`` or ``eager`` attention,
   :func:`one_row_attention` switches it, for the duration of the pass, to :data:`SEGMENT_ATTENTION`, which
   calls PyTorch's ``scaled_dot_product_attention`` once per sequence (causal, no mask, each sequence's own
-  keys: the work of the real tokens only); a model on a flash-attention kernel reads the sequences from
-  the position ids of the single row itself (its variable-length kernel).
+  keys: the work of the real tokens only). A model on another implementation is left as it is: the probe
+  decides whether it keeps the sequences apart (transformers' flash-attention path reads packed sequences
+  from the position ids of a single row; not run here, no GPU with flash-attn was available).
 - **Rows of the longest sequence** (:func:`padding_free_matches`): whole sequences first-fit into rows as
   wide as the longest, attention kept within each by the block-diagonal mask that transformers'
   ``create_causal_mask`` builds from the position ids. The free tail of each row is computed like a
@@ -230,8 +231,8 @@ def one_row_attention(
     """Inside the context, the forward passes of ``models`` (on ``sdpa`` or ``eager`` attention) keep
     attention within the sequences of a one-row packed pass whose sequences have these lengths
     (:func:`segment_attention`); after it, each model's attention is what it was. Models on another
-    implementation (a flash-attention kernel, which reads the sequences from the position ids) are left
-    as they are. Backward passes need no context: autograd does not call the attention function again
+    implementation (e.g. a flash-attention kernel, which transformers feeds the sequences read from the
+    position ids) are left as they are; :func:`one_row_matches` decides whether they keep them apart. Backward passes need no context: autograd does not call the attention function again
     (unless gradient checkpointing recomputes the forward: keep such passes in the rows layout)."""
     if isinstance(models, nn.Module):
         models = [models]
