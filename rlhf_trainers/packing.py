@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .compat import sdpa_has_gqa
+from .compilation import uncompiled
 from .models import _base, embedding_rows
 
 
@@ -185,24 +186,21 @@ def segment_attention(
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
     p = dropout if module.training else 0.0
-    outputs = []
-    start = 0
-    for n in segments:
-        end = start + n
-        outputs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, start:end],
-                key[:, :, start:end],
-                value[:, :, start:end],
-                dropout_p=p,
-                is_causal=True,
-                scale=scaling,
-                **gqa,
-            )
+    # split (not slices): its backward writes each sequence's gradient into one buffer (a cat), where a
+    # slice's backward zero-fills a whole-row buffer per sequence.
+    outputs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=p, is_causal=True, scale=scaling, **gqa
+        ).transpose(1, 2)
+        for q, k, v in zip(
+            query.split(segments, dim=2),
+            key.split(segments, dim=2),
+            value.split(segments, dim=2),
+            strict=True,
         )
-        start = end
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+    ]
+    # (1, N, H, D), contiguous: one copy of the outputs instead of a cat and a transposed copy
+    return (outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 def _register_segment_attention() -> bool:
@@ -213,7 +211,9 @@ def _register_segment_attention() -> bool:
     except ImportError:  # pragma: no cover - transformers < 4.48
         return False
     if SEGMENT_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+        # Run eager inside compiled blocks (torch_compile=True): a loop over this pass's lengths, read
+        # from a context variable, is nothing the compiler should trace.
+        AttentionInterface.register(SEGMENT_ATTENTION, uncompiled(segment_attention))
     return True
 
 

@@ -616,6 +616,14 @@ CASES: list[Case] = [
         ),
     ),
     Case(
+        "torch_compile under DeepSpeed",
+        ONPOLICY,
+        lambda a, t: {
+            "config": {"torch_compile": True, "deepspeed": {"zero_optimization": {"stage": 2}, **DS_BATCH}}
+        },
+        (r"torch_compile=True with DeepSpeed", r"Drop torch_compile, or train without DeepSpeed"),
+    ),
+    Case(
         "ZeRO-3 without gathering the weights on save",
         ONPOLICY,
         lambda a, t: {"config": {"deepspeed": {"zero_optimization": {"stage": 3}, **DS_BATCH}}},

@@ -135,17 +135,26 @@ def test_segment_attention_is_causal_attention_within_each_sequence():
         torch.randn(1, 2, 9, 8),
     )  # 3 query heads per kv
     module = torch.nn.Module()
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     with one_row_attention([], segments):
-        out, weights = segment_attention(module, q, k, v, None, scaling=0.3)
-    assert weights is None and out.shape == (1, 9, 6, 8)
+        out, weights = segment_attention(module, *inputs, None, scaling=0.3)
+    assert weights is None and out.shape == (1, 9, 6, 8) and out.is_contiguous()
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, upstream)
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
     start = 0
+    wants = []
     for n in segments:  # each sequence alone: its own keys, causal
-        kk, vv = (t[:, :, start : start + n].repeat_interleave(3, dim=1) for t in (k, v))
-        scores = (q[:, :, start : start + n] @ kk.transpose(-1, -2)) * 0.3
+        qq = reference[0][:, :, start : start + n]
+        kk, vv = (t[:, :, start : start + n].repeat_interleave(3, dim=1) for t in reference[1:])
+        scores = (qq @ kk.transpose(-1, -2)) * 0.3
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        want = (scores.softmax(-1) @ vv).transpose(1, 2)
-        torch.testing.assert_close(out[:, start : start + n], want, rtol=0, atol=1e-6)
+        wants.append((scores.softmax(-1) @ vv).transpose(1, 2))
+        torch.testing.assert_close(out[:, start : start + n], wants[-1], rtol=0, atol=1e-6)
         start += n
+    # and the gradients of the queries, keys and values
+    for got, want in zip(grads, torch.autograd.grad(torch.cat(wants, 1), reference, upstream), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # Refused: outside a one-row pass, with a mask, lengths that are not this row's.
     with pytest.raises(RuntimeError, match="one_row_attention"):
         segment_attention(module, q, k, v, None)

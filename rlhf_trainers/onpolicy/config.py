@@ -14,6 +14,12 @@ from ..generation.factory import GENERATION_LOOPS
 from ..reliability import ReliabilityArguments
 from ..reward_sources import REWARD_ERROR_MODES
 
+#: The error for torch_compile=True under DeepSpeed (config and trainer).
+TORCH_COMPILE_WITH_DEEPSPEED = (
+    "torch_compile=True with DeepSpeed: the engine compiles its models' decoder layers itself "
+    "(rlhf_trainers.compilation), which was not tried with DeepSpeed's parameter hooks and partitioned "
+    "weights. Drop torch_compile, or train without DeepSpeed."
+)
 STOP_TOKENS = ("eos",)
 ROLLOUT_LOGPROBS = ("auto", "forward", "generation")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -594,6 +600,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
         if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
             self.check_deepspeed_config(plugin.deepspeed_config)
+        if self.torch_compile and (self.deepspeed or plugin is not None):
+            raise ValueError(TORCH_COMPILE_WITH_DEEPSPEED)
 
     def _check_counts(self) -> None:
         """Counts and sizes: integers in their ranges."""

@@ -112,7 +112,9 @@ class OnPolicyGenerationMixin:
         processes = self.accelerator.num_processes
         failure: Exception | None = None
         try:
-            samples = self.generation_backend.sample(query, query_mask, settings)
+            compiled = getattr(self, "_compiled", None)
+            with compiled.paused() if compiled is not None else contextlib.nullcontext():
+                samples = self.generation_backend.sample(query, query_mask, settings)
             check_samples(samples, query.shape[0], settings)
         except GenerationError as err:
             failure = err

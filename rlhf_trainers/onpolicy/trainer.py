@@ -36,6 +36,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .. import compat
 from .. import functional as F
+from ..compilation import CompiledBlocks
 from ..cpu_speedups import apply_host_memory_settings
 from ..data import PromptCollator
 from ..distributed_exit import tear_down_process_group_at_exit
@@ -45,7 +46,7 @@ from ..reliability import AtomicCheckpointMixin, reliability_callback
 from ..reward_sources import RewardSources
 from .balance import rebalance
 from .checkpoint import CheckpointMixin
-from .config import OnPolicyConfig
+from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin
 from .forward import PolicyAndValue, column_bounds, pad_columns, trim_bounds
 from .generation_mixin import OnPolicyGenerationMixin
@@ -171,6 +172,7 @@ class OnPolicyTrainer(
         self._resolve_fused_head()
         self._resolve_padding_free()
         self._build_generation_backend()
+        self._compiled = self._compile_blocks()
         self.kl_ctl: F.AdaptiveKLController | F.FixedKLController = (
             F.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
             if args.adaptive_kl
@@ -184,6 +186,57 @@ class OnPolicyTrainer(
         # (the engine steps its learning-rate schedule itself, skipped optimizer steps included)
         self._reliability = reliability_callback(self, loop_holds_schedule_on_skip=False)
         self.add_callback(self._reliability)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """Trainer's accelerator arguments without a compiling dynamo plugin: ``torch_compile`` is the
+        engine's own (:meth:`_compile_blocks`); accelerate's would wrap the whole policy-and-value module
+        in one graph, recompiled for every shape of sampling, scoring and training (and, on CUDA in fp32,
+        turn TF32 on for the whole process)."""
+        # (without the backend's name: accelerate accepts only the names it lists, torch.compile any
+        # registered backend, and only torch.compile gets it)
+        backend, self.args.torch_compile_backend = self.args.torch_compile_backend, None
+        try:
+            accelerator_args = super()._build_accelerator_args(**kwargs)
+        finally:
+            self.args.torch_compile_backend = backend
+        if "dynamo_plugin" in accelerator_args:
+            from accelerate.utils import TorchDynamoPlugin
+
+            if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no":
+                logger.warning(
+                    "ACCELERATE_DYNAMO_BACKEND=%s is ignored by %s: set torch_compile=True (and "
+                    "torch_compile_backend) to compile the models' layers.",
+                    os.environ["ACCELERATE_DYNAMO_BACKEND"],
+                    type(self).__name__,
+                )
+            accelerator_args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return accelerator_args
+
+    def _compile_blocks(self) -> CompiledBlocks | None:
+        """``torch_compile``: the repeated blocks (decoder layers) of the policy, value, reference and
+        reward models, compiled for the engine's passes (:class:`~rlhf_trainers.compilation.CompiledBlocks`);
+        None when off."""
+        args = self.args
+        if not args.torch_compile:
+            return None
+        if self.is_deepspeed_enabled:
+            raise ValueError(TORCH_COMPILE_WITH_DEEPSPEED)
+        frozen = [m for m in (self.ref_model, self.reward_model) if m is not None]
+        compiled = CompiledBlocks(
+            [self.policy, self.value_model, *frozen],
+            backend=args.torch_compile_backend,
+            mode=args.torch_compile_mode,
+        )
+        if not len(compiled):
+            logger.warning(
+                "torch_compile=True: no repeated blocks found in the models (no _no_split_modules and no "
+                "ModuleList of one class); they run eager."
+            )
+        return compiled
+
+    def _compiled_passes(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of the engine's passes: the compiled blocks active under ``torch_compile``."""
+        return self._compiled.active() if self._compiled is not None else contextlib.nullcontext()
 
     def _checked_args(self, args: OnPolicyConfig | None) -> OnPolicyConfig:
         """``args``, or the default config of the subclass; a config of another class is refused."""
@@ -985,7 +1038,8 @@ class OnPolicyTrainer(
             self._pass_open = True
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         lr = compat.get_learning_rate(self)  # the rate this update trains with (its first step's)
-        metrics = self._update(model, update)
+        with self._compiled_passes():
+            metrics = self._update(model, update)
         if steps == 1:
             self.lr_scheduler.step()  # (else stepped after each optimizer step, in _optimize)
         self.state.global_step += steps
