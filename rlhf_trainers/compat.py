@@ -199,6 +199,8 @@ class TrainerHooksMixin:
     ``_load_from_checkpoint``     :meth:`load_weights_from_checkpoint` (resuming)
     ``_get_output_dir``           :meth:`checkpoint_run_dir` (where checkpoints go)
     ``_save_checkpoint``          :meth:`write_checkpoint` (a save step)
+    ``_build_accelerator_args``   :meth:`accelerator_arguments` (the ``Accelerator``'s
+                                  keyword arguments)
     ============================  =====================================================
     """
 
@@ -215,6 +217,9 @@ class TrainerHooksMixin:
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         self.write_checkpoint(model, trial)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        return self.accelerator_arguments(**kwargs)
 
     # The public methods, with Trainer's behaviour by default.
 
@@ -233,6 +238,11 @@ class TrainerHooksMixin:
         """The folder that holds the ``checkpoint-<step>`` folders (``output_dir``, or a per-trial
         folder in a hyperparameter search). Default: ``Trainer``'s."""
         return super()._get_output_dir(trial)  # type: ignore[misc]
+
+    def accelerator_arguments(self, **kwargs: Any) -> dict[str, Any]:
+        """The keyword arguments of the trainer's ``Accelerator`` (built in ``Trainer.__init__``).
+        Default: ``Trainer``'s."""
+        return super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
 
     def write_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Write ``checkpoint-<global_step>`` into :meth:`checkpoint_run_dir` (model, optimizer,

@@ -42,16 +42,10 @@ def vllm_importable() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _longest_first(item: pytest.Item) -> int:
-    if "slow" not in item.keywords:
-        return 2
-    return 0 if item.get_closest_marker("vllm_proxy") is not None else 1
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep each module whose tests share a module- or class-scoped fixture on one xdist worker. Where
     vLLM is not installed, the ``vllm`` tests are deselected here and run by ``tests/test_vllm_env.py``
-    in a vLLM environment instead, first of all tests; where it is, that proxy is deselected."""
+    in a vLLM environment instead; where it is, that proxy is deselected."""
     has_vllm = vllm_importable()
     keep, dropped = [], []
     for item in items:
@@ -61,10 +55,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-    # Longest first (setup.cfg's --no-loadscope-reorder makes xdist hand tests out in this order): the vLLM
-    # proxy (tests/test_vllm.py in its own environment, ~4 min alone, ~10 under load), then the slow tests,
-    # then the rest. At the end of the queue the proxy ran alone while the other worker idled.
-    items.sort(key=_longest_first)
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:

@@ -187,7 +187,7 @@ class OnPolicyTrainer(
         self._reliability = reliability_callback(self, loop_holds_schedule_on_skip=False)
         self.add_callback(self._reliability)
 
-    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+    def accelerator_arguments(self, **kwargs: Any) -> dict[str, Any]:
         """Trainer's accelerator arguments without a compiling dynamo plugin: ``torch_compile`` is the
         engine's own (:meth:`_compile_blocks`); accelerate's would wrap the whole policy-and-value module
         in one graph, recompiled for every shape of sampling, scoring and training (and, on CUDA in fp32,
@@ -196,7 +196,7 @@ class OnPolicyTrainer(
         # registered backend, and only torch.compile gets it)
         backend, self.args.torch_compile_backend = self.args.torch_compile_backend, None
         try:
-            accelerator_args = super()._build_accelerator_args(**kwargs)
+            accelerator_args = super().accelerator_arguments(**kwargs)
         finally:
             self.args.torch_compile_backend = backend
         if "dynamo_plugin" in accelerator_args:
