@@ -15,8 +15,9 @@ from torch._dynamo import register_backend
 from rlhf_trainers.compilation import CompiledBlocks, repeated_blocks
 from tests import test_ppo, test_rloo
 
-#: Calls of graphs compiled by the "rlhf_test_counting" backend, and graphs compiled.
-CALLS = {"graphs": 0, "calls": 0}
+#: Graphs compiled by the "rlhf_test_counting" backend, their calls, and the calls with gradients on
+#: (training passes).
+CALLS = {"graphs": 0, "calls": 0, "training_calls": 0}
 
 
 @register_backend(name="rlhf_test_counting")
@@ -25,6 +26,7 @@ def _counting_backend(graph_module, example_inputs):
 
     def run(*args):
         CALLS["calls"] += 1
+        CALLS["training_calls"] += torch.is_grad_enabled()
         return graph_module.forward(*args)
 
     return run
@@ -34,7 +36,7 @@ def _counting_backend(graph_module, example_inputs):
 def _fresh_dynamo():
     """Each test compiles from scratch (no graph cached by an earlier test's models)."""
     torch._dynamo.reset()
-    CALLS.update(graphs=0, calls=0)
+    CALLS.update(graphs=0, calls=0, training_calls=0)
     yield
     torch._dynamo.reset()
 
@@ -82,7 +84,8 @@ def test_compiled_blocks_run_compiled_only_inside_active(kit):
 
 
 def _counted_run(module, kit, tmp_path, compile_backend, **overrides):
-    """A short run; the compiled-graph calls made while sampling and in total."""
+    """A short run (compiled with ``compile_backend``, or eager for None): the trained trainer, and the
+    compiled-graph calls made during each sampling call."""
     settings = dict(
         response_length=12,
         max_steps=2,
@@ -133,7 +136,7 @@ def test_a_compiled_run_gives_the_eager_runs_updates(kit, tmp_path, algorithm, e
         trainer, during_sampling = _counted_run(module, kit, tmp_path / str(backend), backend, **extra)
         runs[backend] = (module._digest(trainer.policy), trainer.state.log_history)
         if backend:
-            assert CALLS["graphs"] > 0 and CALLS["calls"] > 0
+            assert CALLS["graphs"] > 0 and CALLS["calls"] > CALLS["training_calls"] > 0
             assert during_sampling and not any(during_sampling)
             assert trainer._compiled is not None and len(trainer._compiled)
             assert all(block._compiled_call_impl is None for block in trainer._compiled.blocks)
