@@ -549,8 +549,8 @@ class OnPolicyRuns:
         self.dump_stacks_after, self.timeout = dump_stacks_after, timeout
         self.cache: dict[str, Run] = {}
 
-    def launch(self, out: Path, deepspeed: str | None, *args: str) -> Run:
-        """Run the script for ``updates`` updates with `args` and read the results of both ranks."""
+    def launch(self, out: Path, deepspeed: str | None, *args: str, num_processes: int = 2) -> Run:
+        """Run the script for ``updates`` updates with `args` and read the results of every rank."""
         run_script(
             self.script,
             [
@@ -562,11 +562,12 @@ class OnPolicyRuns:
                 str(self.dump_stacks_after),
                 *args,
             ],
+            num_processes=num_processes,
             deepspeed=deepspeed,
             env={"RLHF_TRAINERS_KIT_DIR": str(self.kit.root)},
             timeout=self.timeout,
         )
-        return Run(out, read_rank_results(out, 2))
+        return Run(out, read_rank_results(out, num_processes))
 
     def trained(self, deepspeed: str | None) -> Run:
         """The cached trained run of a mode (None: DDP)."""
@@ -619,7 +620,10 @@ def check_resume(
     keys), logging the same scores after the checkpoint. Returns the resumed run's results."""
     uninterrupted = runs.trained(deepspeed)
     checkpoint = uninterrupted.out / f"checkpoint-{runs.save_steps}"
-    results = runs.launch(out, deepspeed, "--resume_from_checkpoint", str(checkpoint)).results
+    # 8 eval prompts instead of 64: a resumed launch restores the RNG after its evaluation, so the size of
+    # the evaluation does not change what it trains (and its metrics are not compared)
+    small_eval = ("--num_eval_prompts", "8")
+    results = runs.launch(out, deepspeed, "--resume_from_checkpoint", str(checkpoint), *small_eval).results
     for r in results:
         assert r["global_step"] == runs.updates
         assert r["updates_run"] == runs.updates - runs.save_steps

@@ -3,11 +3,11 @@ what was given, what is expected and how to fix it (docs/reliability.md, "Resumi
 processes").
 
 The unit tests read the process count of a checkpoint (recorded in ``onpolicy_state.json``, or told by the
-RNG-state files ``Trainer`` writes per process) and check the refusal in one process. The multi-process
-tests make real RLOO checkpoints: 2 DDP ranks -> 1 process, 1 process -> 2 DDP ranks, 2 ZeRO-2 ranks -> 1
-ZeRO-2 process and the same for ZeRO-3 (without the check, DDP resumes quietly with the RNG states not
-restored and other batches, and DeepSpeed fails later on its optimizer partitions). Wall times on 2 shared
-cores: 21-34 s for each launching test (once 119 s, with other jobs on the machine), 1-3 s for the others.
+RNG-state files ``Trainer`` writes per process) and check the refusal in one process. The launching test
+resumes a real 1-process RLOO checkpoint on 2 DDP ranks; the other direction (2 DDP, ZeRO-2 and ZeRO-3 ranks
+-> 1 process) resumes the checkpoints of tests/test_rloo_distributed.py's trained runs there (without the
+check, DDP resumes quietly with the RNG states not restored and other batches, and DeepSpeed fails later
+on its optimizer partitions). Wall times on 2 cores: ~20 s for the launching test, 1-3 s for the others.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import os
 
 import pytest
-from distributed import requires_deepspeed, run_script
+from distributed import run_script
 
 from rlhf_trainers import RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
 from rlhf_trainers.reliability import check_resume_process_count, checkpoint_process_count
@@ -121,12 +121,10 @@ def test_the_on_policy_checkpoint_records_its_process_count_and_reward_trainer_c
         reward.train(resume_from_checkpoint=str(saved))
 
 
-def _launch_rloo(kit, out, *args, num_processes=2, deepspeed=None):
+def _launch_rloo(kit, out, *args):
     return run_script(
         "rloo_distributed.py",
         ["--output_dir", str(out), "--max_steps", "2", "--num_eval_prompts", "8", *args],
-        num_processes=num_processes,
-        deepspeed=deepspeed,
         env={"RLHF_TRAINERS_KIT_DIR": str(kit.root)},
         timeout=400,
     )
@@ -134,13 +132,7 @@ def _launch_rloo(kit, out, *args, num_processes=2, deepspeed=None):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_ddp_checkpoint_of_2_processes_is_refused_on_1_and_one_of_1_on_2(kit, tmp_path):
-    _launch_rloo(kit, tmp_path / "two", "--save_steps", "2")
-    checkpoint = tmp_path / "two" / "checkpoint-2"
-    assert json.loads((checkpoint / "onpolicy_state.json").read_text())["num_processes"] == 2
-    with pytest.raises(ValueError, match=r"saved by a run on 2 process\(es\), and this run has 1"):
-        _rloo(kit, tmp_path / "one", max_steps=4).train(resume_from_checkpoint=str(checkpoint))
-
+def test_a_checkpoint_of_1_process_is_refused_on_2_ddp_ranks(kit, tmp_path):
     single = _rloo(kit, tmp_path / "single", max_steps=1, save_strategy="steps", save_steps=1)
     single.train()
     with pytest.raises(AssertionError) as failed:
@@ -148,19 +140,3 @@ def test_a_ddp_checkpoint_of_2_processes_is_refused_on_1_and_one_of_1_on_2(kit, 
             kit, tmp_path / "resumed", "--resume_from_checkpoint", tmp_path / "single" / "checkpoint-1"
         )
     assert "saved by a run on 1 process(es), and this run has 2" in str(failed.value)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.deepspeed
-@requires_deepspeed
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_a_zero_checkpoint_of_2_processes_is_refused_on_1(kit, tmp_path, stage):
-    _launch_rloo(kit, tmp_path / "two", "--save_steps", "2", deepspeed=stage)
-    checkpoint = tmp_path / "two" / "checkpoint-2"
-    assert (checkpoint / "global_step8").is_dir()  # the engine's partitioned checkpoint (4 steps per update)
-    with pytest.raises(AssertionError) as failed:
-        _launch_rloo(
-            kit, tmp_path / "one", "--resume_from_checkpoint", checkpoint, num_processes=1, deepspeed=stage
-        )
-    assert "saved by a run on 2 process(es), and this run has 1" in str(failed.value)

@@ -119,6 +119,12 @@ def test_two_processes_train_like_one(kit, tmp_path, one_process):
     out = tmp_path / "out"
     results = _launch(kit, out, 2)
     _check_distributed_run(kit, out, results, one_process, "DistributedType.MULTI_CPU")
+    for r in results:
+        assert (r["backend"], r["engine"], r["deepspeed_zero_stage"]) == (
+            "gloo",
+            "DistributedDataParallel",
+            None,
+        )
 
 
 @pytest.mark.deepspeed
@@ -128,6 +134,11 @@ def test_deepspeed_trains_like_one_process_and_saves_full_weights(kit, tmp_path,
     out = tmp_path / "out"
     results = _launch(kit, out, 2, deepspeed=stage)
     _check_distributed_run(kit, out, results, one_process, "DistributedType.DEEPSPEED")
+    for r in results:
+        # accelerate's DeepSpeed plugin at the config's stage wrapped the model in its engine; under
+        # ZeRO-3 with zero3_init_flag the weights were partitioned as from_pretrained loaded them
+        assert (r["engine"], r["deepspeed_zero_stage"]) == ("DeepSpeedEngine", int(stage[-1]))
+        assert r["partitioned_at_load"] == (stage == "zero3")
     # under ZeRO-3 each rank held half of the parameters; the checkpoint has them all
     assert (out / "model.safetensors").stat().st_size > 4 * results[0]["numel"]
 

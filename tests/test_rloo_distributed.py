@@ -167,6 +167,36 @@ def test_resume_ends_like_the_uninterrupted_run(runs, tmp_path, mode):
     assert results[0]["records"] == uninterrupted
 
 
+@pytest.mark.parametrize("mode", ONPOLICY_MODES)
+def test_its_checkpoint_is_refused_on_1_process_before_anything_is_loaded(kit, runs, tmp_path, mode):
+    """Resuming a 2-process checkpoint (the trained run's middle one) on 1 process is refused with what
+    was given and expected (docs/reliability.md, "Resuming on another number of processes"): without the
+    check DDP resumes quietly with other batches and the RNG states not restored, and DeepSpeed fails
+    later on its optimizer partitions. tests/test_resume_process_count.py has the other direction and
+    the unit tests."""
+    from test_resume_process_count import _rloo
+
+    checkpoint = runs.trained(mode).out / f"checkpoint-{SAVE_STEPS}"
+    assert json.loads((checkpoint / "onpolicy_state.json").read_text())["num_processes"] == 2
+    refusal = r"saved by a run on 2 process\(es\), and this run has 1"
+    if mode is None:
+        trainer = _rloo(kit, tmp_path / "one", max_steps=SAVE_STEPS + 2)
+        with pytest.raises(ValueError, match=refusal):
+            trainer.train(resume_from_checkpoint=str(checkpoint))
+        assert trainer.state.global_step == 0
+        return
+    # under DeepSpeed, launched as a user would: 1 process with the same ZeRO config
+    with pytest.raises(AssertionError, match=refusal):
+        runs.launch(
+            tmp_path / "one",
+            mode,
+            "--resume_from_checkpoint",
+            str(checkpoint),
+            *("--num_eval_prompts", "8"),  # the script evaluates before train(), which refuses
+            num_processes=1,
+        )
+
+
 def test_lora_under_ddp_trains_the_adapter_against_the_adapter_disabled_reference(kit, runs, tmp_path):
     run = runs.launch(tmp_path / "out", None, "--lora", "--learning_rate", "5e-3", "--save_model")
     _check_consistent_and_learned(run.results, None)

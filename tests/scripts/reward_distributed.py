@@ -61,12 +61,16 @@ def main() -> None:
         normalization_policy=str(kit.model_path("llama-sft")) if cli.normalize else None,
         normalization_prompts=kit.prompt_dataset("train") if cli.normalize else None,
     )
+    # Under ZeRO-3 (zero3_init_flag) the model, loaded after the RewardConfig, was partitioned as
+    # from_pretrained read it (deepspeed.zero.Init), as for a model too big for one device.
+    partitioned_at_load = all(hasattr(p, "ds_id") for p in trainer.model.parameters())
     metrics_before = trainer.evaluate() if cli.evaluate_first else {}
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(cli.output_dir)
 
     state = trainer.accelerator.state
+    plugin = getattr(state, "deepspeed_plugin", None)
     digest, numel = parameter_digest(trainer.model)
     gain, bias = get_reward_normalization(trainer.model)
     write_rank_result(
@@ -78,6 +82,10 @@ def main() -> None:
             if torch.distributed.is_initialized()
             else 1,
             "distributed_type": str(state.distributed_type),
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+            "deepspeed_zero_stage": plugin.zero_stage if plugin is not None else None,
+            "engine": type(trainer.model_wrapped).__name__,
+            "partitioned_at_load": partitioned_at_load,
             "global_step": trainer.state.global_step,
             "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
             "metrics": metrics,
