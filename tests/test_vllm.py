@@ -441,12 +441,14 @@ def test_memory_does_not_grow_over_a_run_with_vllm(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("trainer", "deepspeed", "lora"),
+    # DDP with LoRA and ZeRO-3 with full weights: the sync's two sources (the adapter merged in, the
+    # shards gathered); a full-weight DDP launch (the single-process sync under DDP's wrapper, also
+    # the LoRA launch's path) was dropped to keep CI's time.
     [
-        ("rloo", None, False),
         ("rloo", None, True),
         pytest.param("ppo", "zero3", False, marks=pytest.mark.deepspeed),
     ],
-    ids=["rloo-ddp", "rloo-ddp-lora", "ppo-zero3"],
+    ids=["rloo-ddp-lora", "ppo-zero3"],
 )
 def test_one_engine_per_process_learns_and_the_ranks_agree(tmp_path, trainer, deepspeed, lora):
     """2 CPU ranks, each with its own engine synced from its own policy (ZeRO-3: the shards gathered
