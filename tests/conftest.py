@@ -8,6 +8,9 @@ workers with two threads each on two cores would only wait for each other.
 Tests that share an expensive module- or class-scoped fixture (a trained model, a distributed run whose
 results several tests check) stay on one worker (``--dist loadgroup``, one group per module), so the
 fixture is computed once; all other tests are spread one by one.
+
+Tests that run a script as a fresh process (a docs page, a trainer killed while saving) start it from a
+fork of a server that has the heavy imports done (``tests/forked.py``): ~5 s of CPU less per run.
 """
 
 from __future__ import annotations

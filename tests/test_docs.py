@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import forked
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -354,7 +355,7 @@ def _main(argv: list[str]) -> int:
 
 
 def run_page(path: Path, workdir: Path, timeout: float = PAGE_TIMEOUT_S) -> tuple[list[dict], str]:
-    """Run a page in a fresh process with ``workdir`` as its working directory.
+    """Run a page as a fresh process would (:func:`forked.run`) with ``workdir`` as its working directory.
 
     Returns:
         (one result per block, the process's output).
@@ -363,14 +364,9 @@ def run_page(path: Path, workdir: Path, timeout: float = PAGE_TIMEOUT_S) -> tupl
     env = dict(os.environ)
     # Hub access fails fast instead of hanging; plots do not need a display.
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(Path(path).resolve()), str(out)],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # A fork of a server that has imported torch, transformers and this package: what a fresh process
+    # would run, without paying the ~5 s of imports per page (tests/forked.py).
+    proc = forked.run(Path(__file__), [Path(path).resolve(), out], cwd=workdir, env=env, timeout=timeout)
     output = proc.stdout + proc.stderr
     (workdir / "docs-test-output.txt").write_text(output, encoding="utf-8")  # what the snippets printed
     if proc.returncode != 0 or not out.exists():

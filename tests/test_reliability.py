@@ -17,10 +17,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import file_syncs  # tests/ is on sys.path under pytest
+import forked
 import pytest
 import torch
 from transformers import TrainerCallback
@@ -44,8 +44,9 @@ TIME_KEYS = (
 
 
 def _run(kind: str, out: Path, mode: str, step: int | None = None, *how: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), kind, str(out), mode] + ([str(step)] if step else []) + list(how)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    """The script as a fresh process runs it (a fork of a server with the imports done: tests/forked.py)."""
+    args = [kind, str(out), mode] + ([str(step)] if step else []) + list(how)
+    return forked.run(SCRIPT, args, timeout=600)
 
 
 def _history(out: Path) -> dict[int, dict[str, float]]:
@@ -579,10 +580,8 @@ def test_memory_does_not_grow_over_a_run(kind, updates, save_steps, tmp_path):
     updates with a checkpoint every `save_steps`, the second half's peak RSS within 10 % of the first
     half's (15-40 s each on 2 cores, mostly starting the process)."""
     script = Path(__file__).parents[1] / "benchmarks" / "long_run_memory.py"
-    cmd = [sys.executable, str(script), "--trainer", kind, "--updates", str(updates)]
-    cmd += ["--save-steps", str(save_steps), "--out", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    args = ["--trainer", kind, "--updates", updates, "--save-steps", save_steps, "--out", tmp_path]
+    proc = forked.run(script, args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
     _ok(proc)
     report = json.loads((tmp_path / f"long_run_memory_{kind}.json").read_text())
     assert len(report["rss_mib"]) == updates
