@@ -18,6 +18,7 @@ with the environment of the pytest worker (``HF_HUB_OFFLINE`` etc.: the suite is
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -52,8 +53,6 @@ def _fresh_sys_path() -> list[str]:
             text=True,
             check=True,
         )
-        import json
-
         _interpreter_path = json.loads(out.stdout)
     return _interpreter_path
 
@@ -61,11 +60,14 @@ def _fresh_sys_path() -> list[str]:
 def _child(
     script: str, argv: list[str], cwd: str, env: dict[str, str], path: list[str], logs: list[str]
 ) -> None:
+    """In the fork: the script's stdout/stderr go to ``logs``; its cwd, environment, argv and path are
+    set; it runs as ``__main__``; the process ends with its exit status after the ``atexit`` handlers."""
     import atexit
     import runpy
 
+    sys.stdout.flush()
+    sys.stderr.flush()
     for fd, log in zip((1, 2), logs, strict=True):
-        sys.stdout.flush() if fd == 1 else sys.stderr.flush()
         target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
