@@ -13,7 +13,7 @@ the ``atexit`` handlers run, as at a normal interpreter exit, and the exit statu
 (``sys.exit`` code, 1 after an uncaught exception, ``-signal`` when a signal killed it). What differs:
 modules the script never imports are loaded (a script that forgets an import still fails: the names are
 not in its namespace), and environment variables read at import time by the preloaded modules were read
-with the environment of the pytest worker (``HF_HUB_OFFLINE`` etc.: the suite is offline either way).
+with the server's environment: the pytest worker's plus the offline flags of :data:`SERVER_ENV`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,30 @@ _context: multiprocessing.context.ForkServerContext | None = None
 _interpreter_path: list[str] | None = None
 
 
+#: Read once by the preloaded modules (huggingface_hub's and transformers' constants), so set in the
+#: server's own environment: every forked script is offline, as the docs runner and the launches of
+#: tests/distributed.py ask (Hub access fails fast instead of hanging).
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
 def _forkserver() -> multiprocessing.context.ForkServerContext:
     global _context
     if _context is None:
+        from multiprocessing import forkserver
+
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
+        # the server starts with this process's environment: SERVER_ENV added for its start only
+        saved = {name: os.environ.get(name) for name in SERVER_ENV}
+        os.environ.update(SERVER_ENV)
+        try:
+            forkserver.ensure_running()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         _context = context
     return _context
 

@@ -18,7 +18,8 @@ mode = sys.argv[1]
 atexit.register(lambda: print("atexit ran", flush=True))
 print(json.dumps({
     "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("FORKED_TEST"), "name": __name__,
-    "path0": sys.path[0], "path_rest": sys.path[1:], "torch_loaded": "torch" in sys.modules, "has_torch_name": "torch" in globals(),
+    "path0": sys.path[0], "path_rest": sys.path[1:], "hub_offline": __import__("huggingface_hub").constants.HF_HUB_OFFLINE,
+    "torch_loaded": "torch" in sys.modules, "has_torch_name": "torch" in globals(),
 }), flush=True)
 print("to stderr", file=sys.stderr)
 if mode == "exit":
@@ -51,6 +52,8 @@ def test_a_script_runs_as_main_with_its_argv_cwd_env_and_path(script, tmp_path):
     # preloaded, yet not in the script's namespace: a missing import still fails
     assert seen["torch_loaded"] and not seen["has_torch_name"]
     assert done.stdout.splitlines()[-1] == "atexit ran"
+    # the Hub is off for every forked script (read once, at the server's imports), whatever the caller's env
+    assert seen["hub_offline"] is True
     assert done.stderr == "to stderr\n"
     # the interpreter's own path after the script's folder, as in `python probe.py` (not pytest's)
     fresh = subprocess.run(
