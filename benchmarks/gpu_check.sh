@@ -9,7 +9,9 @@
 # Machines without network: missing packages may be carried as wheels in .whl/ (installed into
 # /tmp/site), the offline kit as a copy of its cache folder in .gpukit/ (else it is built, ~1 minute).
 # SECTIONS picks parts (default: tests deepspeed padding); GPU_CHECK_EXTRA adds flags to every launch
-# (a dry run on a CPU machine: GPU_CHECK_EXTRA="--use_cpu true" SECTIONS=deepspeed).
+# (a dry run on a CPU machine: GPU_CHECK_EXTRA="--use_cpu true" SECTIONS=deepspeed); PADDING_ARGS adds
+# arguments to gpu_padding_free.py (e.g. --runs ...); TESTS_TIMEOUT / PADDING_TIMEOUT (seconds, default
+# 300 each) bound those sections.
 set -u
 SECTIONS=${SECTIONS:-tests deepspeed padding}
 OUT=${OUT:-/tmp/gpu-check}
@@ -32,16 +34,18 @@ section() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if section tests; then
 echo "=== CUDA tests"
 began=$SECONDS
-timeout 300 python3 -m pytest tests/test_cuda.py \
+timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/test_cuda.py \
     "tests/test_reward_sources.py::test_reward_model_on_cuda_takes_cpu_ids_and_returns_cpu_float32" \
-    -q -p no:cacheprovider -o addopts=-ra 2>&1 | tail -15
+    -q -p no:cacheprovider -o addopts="-ra --durations=8" >"$OUT/cuda_tests.log" 2>&1
+tail -25 "$OUT/cuda_tests.log"
 echo "CUDA tests: $((SECONDS - began)) s"
 fi
 
 if section padding; then
 echo "=== padding-free passes"
 began=$SECONDS
-timeout 300 python3 benchmarks/gpu_padding_free.py --out "$OUT" 2>&1 | grep -v Warning | tail -12
+timeout ${PADDING_TIMEOUT:-300} python3 benchmarks/gpu_padding_free.py --out "$OUT" ${PADDING_ARGS:-} 2>&1 \
+    | grep -v Warning | tail -16
 echo "padding-free: $((SECONDS - began)) s"
 fi
 

@@ -11,6 +11,11 @@ limit, EOS its last token (the same cut in both modes). Reward: a function of th
 advantages are not 0). Precision: ``--dtype bf16`` (the trainers' ``bf16=True``: fp32 weights, bf16
 autocast, log-softmax in fp32) or ``fp32`` (TF32 off), on the default attention (SDPA).
 
+A run is ``size:dtype`` or ``size:dtype:sdpa``: the latter keeps, in the packed passes, one
+``scaled_dot_product_attention`` call per sequence where a GPU in bf16 would otherwise take one
+variable-length flash-attention call per layer (``rlhf_trainers.packing.varlen_kernel``), so that the two
+kernels' packed tokens/s can be compared.
+
 Method: the interleaved rounds of ``padding_free.py`` (both modes on the same samples in one process,
 alternating which goes first; gradients zeroed, no optimizer step), with ``torch.cuda.synchronize()``
 before each clock read and ``torch.cuda.max_memory_allocated`` per phase. Also reported: the largest
@@ -24,13 +29,26 @@ Writes ``<out>/gpu_padding_free_<gpu>.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from gpu_generation import qwen2_half_billion  # benchmarks/ is on sys.path
 from padding_free import interleaved_rounds, trainer_for
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def smollm2_shaped() -> Any:
@@ -105,7 +123,9 @@ def build(args: argparse.Namespace, size: str, algorithm: str, dtype: str) -> tu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--runs", nargs="+", default=["smollm2-135m:bf16", "smollm2-135m:fp32", "qwen2-0.5b:bf16"]
+        "--runs",
+        nargs="+",
+        default=["smollm2-135m:bf16", "qwen2-0.5b:bf16", "smollm2-135m:bf16:sdpa", "smollm2-135m:fp32"],
     )
     parser.add_argument("--algorithms", nargs="+", default=["ppo", "rloo"])
     parser.add_argument("--batch", type=int, default=64, help="completions per update")
@@ -144,25 +164,38 @@ def main() -> None:
     path = out / f"gpu_padding_free_{record['gpu'].replace(' ', '_')}.json"
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 runs in full fp32 (bf16 runs unaffected)
     torch.backends.cudnn.allow_tf32 = False
+    import time
+
+    from rlhf_trainers import packing
+
+    started = time.perf_counter()
     for run in args.runs:
-        size, dtype = run.split(":")
+        size, dtype, *kernel = run.split(":")
+        kernel = kernel[0] if kernel else "auto"
+        if kernel not in ("auto", "sdpa"):
+            raise SystemExit(f"--runs {run!r}: the third field is 'sdpa' or nothing")
         for algorithm in args.algorithms:
             trainer, tokenizer = build(args, size, algorithm, dtype)
-            result = {"size": size, "dtype": dtype, "algorithm": algorithm}
-            result.update(
-                interleaved_rounds(
-                    trainer,
-                    tokenizer,
-                    updates=args.updates,
-                    seed=args.seed,
-                    micro_batch=args.micro_batch,
-                    sync=sync,
-                    memory=(reset, read) if cuda else None,
+            result = {"size": size, "dtype": dtype, "algorithm": algorithm, "segment_kernel": kernel}
+            with contextlib.ExitStack() as stack:
+                if kernel == "sdpa":  # the packed passes' attention: one SDPA call per sequence
+                    stack.enter_context(_patched(packing, "_varlen_applies", lambda query: False))
+                result["varlen_kernel_available"] = packing.varlen_kernel() is not None
+                result.update(
+                    interleaved_rounds(
+                        trainer,
+                        tokenizer,
+                        updates=args.updates,
+                        seed=args.seed,
+                        micro_batch=args.micro_batch,
+                        sync=sync,
+                        memory=(reset, read) if cuda else None,
+                    )
                 )
-            )
+            result["elapsed_since_start_s"] = time.perf_counter() - started
             record["runs"].append(result)
             path.write_text(json.dumps(record, indent=1) + "\n")  # after every run: a timeout keeps the rest
-            line = f"{size:13s} {dtype} {algorithm:4s}"
+            line = f"{time.perf_counter() - started:5.0f}s {size:13s} {dtype} {kernel:4s} {algorithm:4s}"
             for phase in ("rollout_passes", "train_passes"):
                 r = result[phase]
                 line += (
@@ -173,7 +206,8 @@ def main() -> None:
                 if cuda:
                     line += f", {r['padded']['peak_max']:.0f} -> {r['padding_free']['peak_max']:.0f} MiB"
                 line += ")"
-            print(line, result["max_abs_difference_round_0"], flush=True)
+            sampling = statistics.median(r["sampling_seconds"] for r in result["rounds"])
+            print(line, result["max_abs_difference_round_0"], f"sampling {sampling:.1f}s/round", flush=True)
             del trainer
             if cuda:
                 torch.cuda.empty_cache()

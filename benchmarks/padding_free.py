@@ -239,10 +239,15 @@ def interleaved_rounds(
     differences: dict[str, float] = {}
     for round_ in range(updates):
         generator = torch.Generator().manual_seed(seed * 1000 + round_)
+        sync()
+        began = time.perf_counter()
         with torch.no_grad(), autocast():
             samples = trainer.sample_responses(trainer._prompt_batch(round_), trainer.completions_per_prompt)
+        sync()
+        sampling = time.perf_counter() - began
         samples = _cut(samples, generator, tokenizer.eos_token_id, tokenizer.pad_token_id)
         record = {"tokens": float(samples.query_mask.sum() + samples.response_mask.sum())}
+        record["sampling_seconds"] = sampling  # not compared: the samples are shared by both modes
         modes = MODES if round_ % 2 == 0 else MODES[::-1]
         rollout = None
         outputs = {}

@@ -7,7 +7,8 @@ engine's passes (:func:`rlhf_trainers.onpolicy.forward.pack_sequences`) and rewa
   of padding. Attention runs per sequence: for a model on transformers' ``sdpa`` or ``eager`` attention,
   :func:`one_row_attention` switches it, for the duration of the pass, to :data:`SEGMENT_ATTENTION`, which
   calls PyTorch's ``scaled_dot_product_attention`` once per sequence (causal, no mask, each sequence's own
-  keys: the work of the real tokens only). A model on another implementation is left as it is: the probe
+  keys: the work of the real tokens only), or, on a GPU in fp16/bf16, PyTorch's variable-length flash
+  attention once for all of them (:func:`varlen_kernel`). A model on another implementation is left as it is: the probe
   decides whether it keeps the sequences apart (transformers' flash-attention path reads packed sequences
   from the position ids of a single row; not run here, no GPU with flash-attn was available).
 - **Rows of the longest sequence** (:func:`padding_free_matches`): whole sequences first-fit into rows as
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,8 +154,11 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """Causal attention of a one-row packed pass, one ``scaled_dot_product_attention`` call per sequence
     (the lengths of :func:`one_row_attention`): each query attends to the earlier keys of its own sequence
-    only, without a mask, so the work is that of the real tokens. transformers' attention-function
-    signature: ``query`` (1, H, N, D), ``key``/``value`` (1, H_kv, N, D); returns (1, N, H, D).
+    only, without a mask, so the work is that of the real tokens. On a GPU in fp16/bf16 (autocast's or the
+    model's dtype) the sequences go to one variable-length flash-attention call instead
+    (:func:`varlen_kernel`, torch >= 2.10), the same arithmetic in one kernel per layer.
+    transformers' attention-function signature: ``query`` (1, H, N, D), ``key``/``value`` (1, H_kv, N, D);
+    returns (1, N, H, D).
 
     Refuses what it does not compute: a mask, a non-causal call, logit soft-capping, a sliding window,
     attention sinks or a position bias, and a call outside :func:`one_row_attention`."""
@@ -177,6 +183,9 @@ def segment_attention(
             f"{SEGMENT_ATTENTION!r}: the sequence lengths {list(segments)} (sum {sum(segments)}) do not "
             f"describe this pass's one row (query {tuple(query.shape)}, key {tuple(key.shape)})."
         )
+    p = dropout if module.training else 0.0
+    if p == 0.0 and _varlen_applies(query):
+        return _varlen_segments(query, key, value, segments, scaling), None
     groups = query.shape[1] // key.shape[1]
     gqa: dict[str, Any] = {}
     if groups > 1:
@@ -185,7 +194,6 @@ def segment_attention(
         else:  # torch < 2.5: the key/value heads repeated for their query heads
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
-    p = dropout if module.training else 0.0
     # split (not slices): its backward writes each sequence's gradient into one buffer (a cat), where a
     # slice's backward zero-fills a whole-row buffer per sequence.
     outputs = [
@@ -201,6 +209,145 @@ def segment_attention(
     ]
     # (1, N, H, D), contiguous: one copy of the outputs instead of a cat and a transposed copy
     return (outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """PyTorch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10,
+    CUDA, fp16/bf16) as ``kernel(q, k, v, cu_seqlens, max_len, scale)`` on (N, H, D) / (N, H_kv, D)
+    tensors, causal within each sequence, with this torch's spelling of it (``is_causal`` in 2.10,
+    ``window_size=(-1, 0)`` after; ``enable_gqa`` where it exists, else the key/value heads repeated);
+    None where this torch has none. Used by :func:`segment_attention` for one-row passes on a GPU: one
+    kernel call per layer instead of one ``scaled_dot_product_attention`` call per sequence."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal: dict[str, Any] = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:  # pragma: no cover - an API this code does not know
+        return None
+    takes_gqa, takes_scale = "enable_gqa" in params, "scale" in params
+
+    def kernel(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+    ) -> torch.Tensor:
+        extra: dict[str, Any] = {}
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            if takes_gqa:
+                extra["enable_gqa"] = True
+            else:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if scale is not None:
+            if takes_scale:
+                extra["scale"] = scale
+            else:  # the kernel's own scale is 1/sqrt(D): fold the difference into the queries
+                q = q * (scale * q.shape[-1] ** 0.5)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **extra)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_capable(device: torch.device) -> bool:
+    # flash attention's kernels need an Ampere or newer GPU (compute capability 8.0)
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype that attention computes in: autocast's (as ``scaled_dot_product_attention`` would cast
+    its inputs to it) or the query's own."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
+
+
+def _varlen_supports(device: torch.device, dtype: torch.dtype, head_size: int | None) -> bool:
+    """A CUDA device that flash attention supports, fp16/bf16 compute, a head size it takes (a multiple of
+    8, at most 256; None: not known, not refused) and a torch that has :func:`varlen_kernel`."""
+    return (
+        device.type == "cuda"
+        and dtype in _HALF
+        and (head_size is None or (head_size % 8 == 0 and head_size <= 256))
+        and varlen_kernel() is not None
+        and _flash_capable(device)
+    )
+
+
+def _varlen_applies(query: torch.Tensor) -> bool:
+    """Whether :func:`segment_attention` runs on :func:`varlen_kernel` (:func:`_varlen_supports` for this
+    query). Elsewhere (CPU, fp32) each sequence gets its own ``scaled_dot_product_attention``."""
+    return _varlen_supports(query.device, _compute_dtype(query), query.shape[-1])
+
+
+def one_row_fits(device: torch.device | str, dtype: torch.dtype, head_size: int | None = None) -> bool:
+    """Whether the one-row layout is the fast one for passes computing in ``dtype`` on ``device``. On a CPU,
+    yes: one ``scaled_dot_product_attention`` call per sequence does the real tokens' work only. On a GPU,
+    only where :func:`segment_attention` runs on :func:`varlen_kernel` (fp16/bf16, flash-attention capable
+    device, a torch with the kernel): there per-sequence calls are bound by kernel launches, measured on an
+    H200 at ~10x slower than the padded passes (docs/benchmarks.md), so such passes use rows of the longest
+    sequence instead (one masked attention call per layer)."""
+    device = torch.device(device)
+    return device.type == "cpu" or _varlen_supports(device, dtype, head_size)
+
+
+def attention_head_size(model: nn.Module) -> int | None:
+    """The model's attention head size from its config (``head_dim``, else hidden size / heads), or None."""
+    config = _config_of(model)
+    if config is None:
+        return None
+    text = getattr(config, "get_text_config", lambda: config)()
+    head = getattr(text, "head_dim", None)
+    if isinstance(head, int):
+        return head
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _pass_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype a pass of ``model`` computes in right now: autocast's on ``device`` if enabled, else the
+    model's floating-point parameters'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+@functools.lru_cache(maxsize=16)
+def _cumulative_lengths(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(S + 1,) int32 on ``device``: 0 and the running sums of the sequence lengths (cached: every layer of
+    a pass asks for the same)."""
+    ends = [0]
+    for n in segments:
+        ends.append(ends[-1] + n)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def _varlen_segments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: tuple[int, ...],
+    scaling: float | None,
+) -> torch.Tensor:
+    """:func:`segment_attention` as one :func:`varlen_kernel` call: (1, H, N, D) inputs in the compute
+    dtype (autocast's, as SDPA casts them), (N, H, D) views of them to the kernel, (1, N, H, D) out."""
+    kernel = varlen_kernel()
+    assert kernel is not None, "_varlen_applies checked it"
+    dtype = _compute_dtype(query)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
+    out = kernel(q, k, v, _cumulative_lengths(segments, query.device), max(segments), scaling)
+    return out.unsqueeze(0)
 
 
 def _register_segment_attention() -> bool:
@@ -391,7 +538,10 @@ def packed_pooled_scores(
     last real token, as the padded model reads it. Every row must hold a real token."""
     mask = mask.bool()
     positions = (mask.long().cumsum(1) - mask.long()).masked_fill(~mask, 0)
-    rows = pack_rows(input_ids, mask, positions, pad_token_id, one_row=one_row_matches(model))
+    one_row = one_row_matches(model) and one_row_fits(
+        input_ids.device, _pass_dtype(model, input_ids.device), attention_head_size(model)
+    )
+    rows = pack_rows(input_ids, mask, positions, pad_token_id, one_row=one_row)
     backbone = backbone_of(model)
     head = packed_score_head(model)
     assert backbone is not None and head is not None, "a model that packed_score_head accepts"

@@ -250,3 +250,68 @@ def test_examples_under_deepspeed_on_one_gpu_evaluate_then_learn(
     assert results["global_step"] == steps
     key = "eval_objective/scores/true_reward"
     assert results["after"][key] > results["before"][key] + 0.3, results
+
+
+def test_one_row_passes_on_cuda_in_bf16_run_one_varlen_call_per_layer_equal_to_sdpa_per_sequence(
+    kit, monkeypatch
+):
+    """On a GPU in bf16 the one-row packed pass hands all its sequences to PyTorch's variable-length flash
+    attention, one call per layer; its outputs and gradients match one SDPA call per sequence (the CPU
+    path) to bf16 rounding, for the bare kernel (GQA, unequal lengths) and a kit model's whole pass."""
+    from rlhf_trainers import packing
+    from rlhf_trainers.packing import one_row_attention, pack_rows, segment_attention
+
+    if packing.varlen_kernel() is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10 has)")
+    torch.manual_seed(0)
+    segments = (37, 1, 120, 64)
+    n = sum(segments)
+    inputs = [
+        torch.randn(1, h, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (6, 2, 2)
+    ]
+    module = torch.nn.Module()
+    module.training = False
+    results = {}
+    for path in ("varlen", "sdpa"):
+        if path == "sdpa":
+            monkeypatch.setattr(packing, "_varlen_applies", lambda query: False)
+        with one_row_attention([], segments):
+            out, _ = segment_attention(module, *inputs, None, scaling=64**-0.5)
+        grads = torch.autograd.grad(out.float().square().sum(), inputs)
+        results[path] = (out.float(), [g.float() for g in grads])
+    monkeypatch.undo()
+    torch.testing.assert_close(results["varlen"][0], results["sdpa"][0], rtol=0, atol=2e-2)
+    for a, b in zip(results["varlen"][1], results["sdpa"][1], strict=True):
+        assert (a - b).norm() / b.norm() < 2e-2
+
+    # A kit model's one-row pass under bf16 autocast: one kernel call per layer, the hidden states of
+    # per-sequence SDPA, and the same gradients.
+    model = kit.load_model("llama-sft").to("cuda")
+    calls = []
+    kernel = packing.varlen_kernel()
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    ids = torch.randint(3, 100, (4, 24), device="cuda")
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :20] = False
+    mask[2, :7] = False
+    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    rows = pack_rows(ids, mask, positions, 0, one_row=True)
+    states = {}
+    for path in ("varlen", "sdpa"):
+        monkeypatch.setattr(packing, "varlen_kernel", lambda: counted)
+        if path == "sdpa":
+            monkeypatch.setattr(packing, "_varlen_applies", lambda query: False)
+        model.zero_grad()
+        with one_row_attention(model, rows.segments), torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = model.model(input_ids=rows.input_ids, position_ids=rows.position_ids).last_hidden_state
+        hidden.float().square().mean().backward()
+        states[path] = (hidden.float(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+        monkeypatch.undo()
+    assert len(calls) == model.config.num_hidden_layers  # varlen: one call per layer; sdpa: none
+    torch.testing.assert_close(states["varlen"][0], states["sdpa"][0], rtol=0, atol=5e-2)
+    difference = (states["varlen"][1] - states["sdpa"][1]).norm() / states["sdpa"][1].norm()
+    assert difference < 2e-2, difference

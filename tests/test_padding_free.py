@@ -7,6 +7,7 @@ same metrics; models that would let attention cross packed sequences keep the pa
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 
 import pytest
@@ -164,6 +165,110 @@ def test_segment_attention_is_causal_attention_within_each_sequence():
         segment_attention(module, q, k, v, None)
 
 
+def _per_sequence_reference(q, k, v, segments, scale):
+    """Causal attention of each sequence alone, (1, H, N, D) in, (1, N, H, D) out (SDPA per sequence)."""
+    groups = q.shape[1] // k.shape[1]
+    outs, start = [], 0
+    for n in segments:
+        qq = q[:, :, start : start + n]
+        kk, vv = (t[:, :, start : start + n].repeat_interleave(groups, dim=1) for t in (k, v))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale)
+            .transpose(1, 2)
+            .float()
+        )
+        start += n
+    return torch.cat(outs, 1)
+
+
+def test_segment_attention_hands_a_gpu_half_precision_pass_to_one_varlen_call(monkeypatch):
+    """Where the variable-length kernel applies (a GPU in fp16/bf16; forced here on CPU with a stand-in
+    kernel, the real one is checked in tests/test_cuda.py), one call gets the whole row: (N, H, D) views in
+    autocast's dtype, the cumulative lengths, the longest length and the scale; its output comes back as
+    (1, N, H, D), equal to each sequence's attention alone."""
+    calls = []
+
+    def stand_in(q, k, v, cu, max_len, scale):
+        calls.append((q.dtype, q.shape, k.shape, cu.tolist(), cu.dtype, max_len, scale))
+        ends = cu.tolist()
+        lengths = tuple(b - a for a, b in itertools.pairwise(ends))
+        as_rows = (t.transpose(0, 1)[None] for t in (q, k, v))
+        return _per_sequence_reference(*as_rows, lengths, scale)[0].to(q.dtype)
+
+    monkeypatch.setattr(packing_module, "_varlen_applies", lambda query: True)
+    monkeypatch.setattr(packing_module, "varlen_kernel", lambda: stand_in)
+    torch.manual_seed(0)
+    segments = (3, 1, 5)
+    q, k, v = torch.randn(1, 6, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    with one_row_attention([], segments), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = segment_attention(torch.nn.Module(), q, k, v, None, scaling=0.3)
+    assert calls == [(torch.bfloat16, (9, 6, 8), (9, 2, 8), [0, 3, 4, 9], torch.int32, 5, 0.3)]
+    assert out.shape == (1, 9, 6, 8) and out.dtype == torch.bfloat16
+    want = _per_sequence_reference(*(t.bfloat16() for t in (q, k, v)), segments, 0.3)
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=2e-2)
+    # Dropout in training keeps the per-sequence calls (the kernel is called without dropout).
+    module = torch.nn.Module()
+    module.training = True
+    with one_row_attention([], segments):
+        segment_attention(module, q, k, v, None, dropout=0.1, scaling=0.3)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("api", ["window_size", "is_causal"])
+def test_varlen_kernel_speaks_both_torch_spellings_of_causal_gqa_and_scale(monkeypatch, api):
+    """torch 2.10's ``varlen_attn`` takes ``is_causal`` and no ``scale``/``enable_gqa``; later ones take
+    ``window_size=(-1, 0)``, ``scale`` and ``enable_gqa``. The wrapper passes what the installed one takes
+    and does the rest itself (key/value heads repeated, the scale folded into the queries)."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    seen = {}
+    if api == "window_size":
+
+        def fake(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            *,
+            window_size=(-1, -1),
+            scale=None,
+            enable_gqa=False,
+        ):
+            seen.update(window_size=window_size, scale=scale, gqa=enable_gqa, q=query, k=key)
+            return query
+
+    else:
+
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+            seen.update(is_causal=is_causal, q=query, k=key)
+            return query
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    packing_module.varlen_kernel.cache_clear()
+    try:
+        kernel = packing_module.varlen_kernel()
+        q, k = torch.ones(5, 4, 8), torch.ones(5, 2, 8)
+        kernel(q, k, k, torch.tensor([0, 5], dtype=torch.int32), 5, 0.5)
+    finally:
+        packing_module.varlen_kernel.cache_clear()
+    if api == "window_size":
+        assert seen["window_size"] == (-1, 0) and seen["scale"] == 0.5 and seen["gqa"] is True
+        assert seen["q"] is q and seen["k"].shape == (5, 2, 8)
+    else:
+        assert seen["is_causal"] is True and seen["k"].shape == (5, 4, 8)  # heads repeated
+        # the kernel divides by sqrt(8): the queries carry 0.5 * sqrt(8) so that the product is 0.5
+        torch.testing.assert_close(seen["q"], q * 0.5 * 8**0.5)
+
+
+def test_varlen_applies_only_on_a_gpu_in_half_precision():
+    q = torch.randn(1, 2, 4, 8)
+    assert not packing_module._varlen_applies(q)  # CPU
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not packing_module._varlen_applies(q)
+
+
 def test_one_row_attention_switches_sdpa_and_eager_models_for_the_pass_only(kit):
     model = kit.load_model("llama")
     assert model.config._attn_implementation == "sdpa"
@@ -317,6 +422,54 @@ def test_training_passes_under_gradient_checkpointing_keep_rows_of_the_longest_s
     assert trainer._packed(*inputs, training=True).segments is not None
 
 
+def test_one_row_layout_only_where_its_attention_is_fast(monkeypatch):
+    """CPU: always (per-sequence SDPA). A GPU: only where the variable-length kernel runs (fp16/bf16, a
+    head size it takes, a torch that has it, an Ampere+ device); other accelerators never."""
+    from rlhf_trainers.packing import one_row_fits
+
+    assert one_row_fits("cpu", torch.float32) and one_row_fits("cpu", torch.bfloat16, 12)
+    assert not one_row_fits("cuda", torch.float32, 64)  # fp32 on a GPU: no flash kernel
+    monkeypatch.setattr(packing_module, "varlen_kernel", lambda: object())
+    monkeypatch.setattr(packing_module, "_flash_capable", lambda device: True)
+    assert one_row_fits("cuda:0", torch.bfloat16, 64) and one_row_fits("cuda", torch.float16)
+    assert not one_row_fits("cuda", torch.bfloat16, 12) and not one_row_fits("cuda", torch.bfloat16, 512)
+    assert not one_row_fits("mps", torch.bfloat16, 64)
+    monkeypatch.setattr(packing_module, "_flash_capable", lambda device: False)  # e.g. a V100
+    assert not one_row_fits("cuda", torch.bfloat16, 64)
+    monkeypatch.setattr(packing_module, "varlen_kernel", lambda: None)  # torch < 2.10
+    monkeypatch.setattr(packing_module, "_flash_capable", lambda device: True)
+    assert not one_row_fits("cuda", torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_attention_head_size_is_read_from_each_config(kit, arch):
+    model = kit.load_model(arch)
+    config = model.config
+    assert packing_module.attention_head_size(model) == config.hidden_size // config.num_attention_heads
+
+
+def test_trainer_packs_rows_where_the_one_row_layout_would_be_slow(kit, tmp_path, monkeypatch, caplog):
+    """Where ``one_row_fits`` says no (a GPU without the variable-length kernel, e.g. fp32), the packed
+    passes of a batch go in rows of the longest sequence, with an info line; packing stays on."""
+    from rlhf_trainers.onpolicy import setup as setup_module
+
+    asked = []
+
+    def fits(device, dtype, head_size=None):
+        asked.append((torch.device(device).type, dtype, head_size))
+        return False
+
+    monkeypatch.setattr(setup_module, "one_row_fits", fits)
+    with caplog.at_level(logging.INFO, logger="rlhf_trainers.onpolicy.setup"):
+        trainer = test_ppo._trainer(kit, tmp_path, padding_free=True)
+    assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
+    assert not trainer._pack_one_row and "rows of the longest sequence" in caplog.text
+    head = packing_module.attention_head_size(trainer.policy)
+    assert ("cpu", torch.float32, head) in asked
+    packed = trainer._packed(*_inputs(trainer))
+    assert packed is not None and packed.segments is None
+
+
 def _inputs(trainer):
     with torch.no_grad():
         samples = trainer.sample_responses(trainer._prompt_batch(0), trainer.completions_per_prompt)
@@ -431,7 +584,7 @@ def _reward_model(kit, name):
 
 
 @pytest.mark.parametrize("name", ["llama-seqcls", "gpt2-seqcls", "gpt_neox"])
-def test_packed_reward_scores_equal_padded_ones(kit, name):
+def test_packed_reward_scores_equal_padded_ones(kit, name, monkeypatch):
     model = _reward_model(kit, name).eval()
     pad = kit.load_tokenizer().pad_token_id
     model.config.pad_token_id = pad
@@ -445,10 +598,23 @@ def test_packed_reward_scores_equal_padded_ones(kit, name):
     columns = torch.arange(Q + R)[None, :]
     real = (columns >= Q - prompt[:, None]) & (columns < Q + response[:, None])
     ids = ids.masked_fill(~real, pad)
+    layouts = []
+    original = packing_module.pack_rows
+
+    def spy(*args, one_row=False, **kwargs):
+        layouts.append(one_row)
+        return original(*args, one_row=one_row, **kwargs)
+
+    monkeypatch.setattr(packing_module, "pack_rows", spy)
     packed = score_ids(model, ids, pad, batch_size=5, padding_free=True)
     padded = score_ids(model, ids, pad, batch_size=5)
     assert padded.std() > 1e-3  # the rows score differently
     torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
+    assert layouts == [True] * 3  # 12 rows in chunks of 5, one row each (a CPU)
+    # Where the one-row layout is slow (a GPU without the variable-length kernel): rows, same scores.
+    monkeypatch.setattr(packing_module, "one_row_fits", lambda *args: False)
+    torch.testing.assert_close(score_ids(model, ids, pad, batch_size=5, padding_free=True), padded)
+    assert layouts == [True] * 3 + [False] * 3
 
 
 def _count_packed_scoring(monkeypatch) -> list:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..data import PromptTokenizationStats, tokenize_prompts
@@ -27,7 +28,7 @@ from ..models import (
     seeded,
     tokenizer_of,
 )
-from ..packing import packing_layout
+from ..packing import attention_head_size, one_row_fits, packing_layout
 from .config import OnPolicyConfig
 from .forward import fused_head_matches
 
@@ -385,3 +386,28 @@ class SetupSteps:
         if self.value_model is not None:
             self._pack_values = check("value model", self.value_model)
         self._pack_one_row = bool(layouts) and all(layout == "one_row" for layout in layouts)
+        if self._pack_one_row:
+            dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+            packed = (
+                (self.policy, self._pack_policy),
+                (self.ref_model, self._pack_ref),
+                (self.value_model, self._pack_values),
+            )
+            models = [m for m, on in packed if m is not None and on]
+            fits = all(
+                one_row_fits(
+                    self.accelerator.device,
+                    dtype or next(m.parameters()).dtype,
+                    attention_head_size(m),
+                )
+                for m in models
+            )
+            if not fits:
+                logger.info(
+                    "padding_free: on %s in %s the packed passes use rows of the longest sequence (one "
+                    "attention call per sequence, the one-row layout's, is slow there without PyTorch's "
+                    "variable-length flash attention: torch >= 2.10, fp16/bf16, an Ampere or newer GPU).",
+                    self.accelerator.device,
+                    dtype or next(self.policy.parameters()).dtype,
+                )
+                self._pack_one_row = False
