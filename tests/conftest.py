@@ -10,7 +10,9 @@ results several tests check) stay on one worker (``--dist loadgroup``, one group
 fixture is computed once; all other tests are spread one by one.
 
 Tests that run a script as a fresh process (a docs page, a trainer killed while saving) start it from a
-fork of a server that has the heavy imports done (``tests/forked.py``): ~5 s of CPU less per run.
+fork of a server that has the heavy imports done (``tests/forked.py``): ~5 s of CPU less per run. So do
+the ranks of the multi-process tests (``tests/distributed.py``), with the environments ``accelerate
+launch`` gives them; ``RLHF_TESTS_LAUNCHER=accelerate`` starts those through ``accelerate launch``.
 """
 
 from __future__ import annotations

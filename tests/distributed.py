@@ -1,5 +1,8 @@
-"""Multi-process and DeepSpeed test infrastructure: run a script on 2 CPU ranks (gloo) under
-``accelerate launch``, optionally with DeepSpeed ZeRO-2/3, and check what each rank reports.
+"""Multi-process and DeepSpeed test infrastructure: run a script on 2 CPU ranks (gloo) as
+``accelerate launch`` starts them, optionally with DeepSpeed ZeRO-2/3, and check what each rank reports.
+The ranks are forks of tests/forked.py's preloaded server with the environments accelerate computes
+(:func:`rank_environments`), or ``accelerate launch`` itself (``run_script(launcher="accelerate")``,
+or ``RLHF_TESTS_LAUNCHER=accelerate`` for every launch).
 
 Not a test module: the trainer tests import it (``tests/`` is on ``sys.path`` under pytest), and the
 scripts they launch import its script-side helpers (:func:`run_script` puts ``tests/`` on their
@@ -55,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "ACCELERATE_CONFIGS",
     "CONFIG_DIR",
+    "LAUNCHERS",
     "ONPOLICY_MODES",
     "REPO_ROOT",
     "TESTS_DIR",
@@ -74,6 +78,7 @@ __all__ = [
     "onpolicy_parser",
     "parameter_digest",
     "parse_onpolicy_args",
+    "rank_environments",
     "read_rank_results",
     "requires_deepspeed",
     "run_script",
@@ -182,6 +187,151 @@ def launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return result
 
 
+#: How run_script starts the ranks unless a call says: "forked" (default) or "accelerate";
+#: ``RLHF_TESTS_LAUNCHER=accelerate`` runs every launch of the suite through ``accelerate launch``.
+LAUNCHERS = ("forked", "accelerate")
+
+
+def _default_launcher() -> str:
+    launcher = os.environ.get("RLHF_TESTS_LAUNCHER", "forked")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"RLHF_TESTS_LAUNCHER={launcher!r}: must be one of {LAUNCHERS}.")
+    return launcher
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str], cwd: str | os.PathLike[str]):
+    """Inside, ``os.environ`` is ``env`` and the working directory ``cwd`` (accelerate's launch helpers
+    copy ``os.environ`` and read the working directory), as before after."""
+    saved, here = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def rank_environments(
+    command: Sequence[str], env: Mapping[str, str], cwd: str | os.PathLike[str]
+) -> list[dict[str, str]]:
+    """The environment of each rank that ``command`` (a :func:`launch_command` line) would start from
+    ``cwd``, as ``accelerate launch`` computes it (its own parser, checks and ``prepare_*_env`` functions,
+    run on ``env``) plus what torch's elastic agent gives each worker (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ...); accelerate's single-process launch runs the
+    script alone. Not given: the agent's own variables (its store, error file and signal list), since
+    no agent runs; rank 0 hosts the rendezvous store."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(list(command[3:]))
+    with _environment(env, cwd), warnings_ignored():
+        args, defaults, mp_from_config_flag = _validate_launch_command(args)
+        if args.use_deepspeed:
+            fields = list(defaults.deepspeed_config.keys()) if defaults else []
+            if mp_from_config_flag:
+                fields.append("mixed_precision")
+            args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+            _, current = prepare_deepspeed_cmd_env(args)
+            # what the launcher's `import deepspeed` sets in its environment, which the ranks inherit
+            current.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        elif args.multi_gpu:
+            current = prepare_multi_gpu_env(args)
+        else:  # the simple launcher: one plain process, no rank variables
+            return [dict(env)]
+    world = int(args.num_processes)
+    port = str(args.main_process_port)
+    ranks = []
+    for rank in range(world):
+        ranks.append(
+            {
+                **current,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": "default",
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "ROLE_WORLD_SIZE": str(world),
+                "GROUP_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": "none",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            }
+        )
+    return ranks
+
+
+@contextlib.contextmanager
+def warnings_ignored():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _forked_launch(
+    script: Path, args: Sequence[str], command: list[str], env: dict[str, str], cwd: str, timeout: float
+) -> tuple[int | None, str, str, bool]:
+    """Start the ranks of ``command`` as forks of the preloaded server (tests/forked.py) with the
+    environments of :func:`rank_environments`, wait for all, and, as torch's elastic agent does, stop the
+    others (SIGTERM, then SIGKILL after 30 s) once one fails. Returns (exit status: 0, or the first
+    failing rank's; None after a timeout), stdout, stderr (the ranks' one after the other), timed out."""
+    import tempfile
+
+    import forked
+
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        logs = [[os.path.join(folder, f"{rank}.{name}") for name in ("out", "err")] for rank in range(8)]
+        processes = [
+            forked.start(script, args, cwd=cwd, env=rank_env, logs=logs[rank])
+            for rank, rank_env in enumerate(rank_environments(command, env, cwd))
+        ]
+        deadline = time.monotonic() + timeout
+        failed: int | None = None
+        stop_at: float | None = None
+        timed_out = False
+        while any(p.exitcode is None for p in processes):
+            time.sleep(0.1)
+            now = time.monotonic()
+            if failed is None:
+                failed = next((p.exitcode for p in processes if p.exitcode not in (None, 0)), None)
+                if failed is not None:
+                    for p in processes:
+                        if p.exitcode is None:
+                            p.terminate()
+                    stop_at = now + 30
+            if now > deadline or (stop_at is not None and now > stop_at):
+                timed_out = failed is None
+                for p in processes:
+                    if p.exitcode is None:
+                        p.kill()
+                for p in processes:
+                    p.join()
+        for p in processes:
+            p.join()
+        out, err = (
+            "".join(
+                Path(logs[rank][i]).read_text(errors="replace") if os.path.exists(logs[rank][i]) else ""
+                for rank in range(len(processes))
+            )
+            for i in (0, 1)
+        )
+    if timed_out:
+        return None, out, err, True
+    if failed is None:
+        failed = next((p.exitcode for p in processes if p.exitcode), 0)
+    return failed, out, err, False
+
+
 def _kill_tree(pid: int, grace: float = 5.0) -> None:
     """End process `pid` and all its descendants. torch's elastic agent starts each rank in a session of
     its own, so killing the launcher's process group leaves the ranks running, holding the output pipes
@@ -218,8 +368,9 @@ def run_script(
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     tail_lines: int = 80,
+    launcher: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `script` with `args` on `num_processes` CPU ranks (gloo) under ``accelerate launch``.
+    """Run `script` with `args` on `num_processes` CPU ranks (gloo), as ``accelerate launch`` starts them.
 
     Args:
         script: path of the Python script (relative paths are taken from ``tests/scripts/``,
@@ -233,6 +384,14 @@ def run_script(
         env: extra environment variables, applied last (they override the CPU-safe defaults).
         cwd: working directory of the launch (default: the repository root).
         tail_lines: how many last lines of stdout and stderr an AssertionError shows.
+        launcher: ``"accelerate"``: the :func:`launch_command` line itself (the launcher process, torch's
+            elastic agent, each rank a fresh interpreter). ``"forked"`` (the default, or
+            ``$RLHF_TESTS_LAUNCHER``): the same ranks with the same environments
+            (:func:`rank_environments`, computed by accelerate's own launch code), each started as a
+            fork of tests/forked.py's preloaded server, ~5 s of imports less per rank and no launcher
+            process; they end through ``atexit`` and ``os._exit`` rather than an interpreter shutdown,
+            so tests of what happens at exit (tests/test_distributed_exit.py) and of the launcher itself
+            use ``"accelerate"``.
 
     Returns:
         the completed process (``returncode`` 0), with ``stdout`` and ``stderr`` as text and the wall
@@ -248,30 +407,40 @@ def run_script(
     if not path.is_file():
         raise FileNotFoundError(f"no script {script!s} (looked in {TESTS_DIR / 'scripts'} and {Path.cwd()}).")
     command = launch_command(path, args, num_processes=num_processes, deepspeed=deepspeed)
+    launcher = launcher or _default_launcher()
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r}: must be one of {LAUNCHERS}.")
     started = time.perf_counter()
-    with subprocess.Popen(
-        command,
-        cwd=str(cwd or REPO_ROOT),
-        env=launch_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    ) as process:
-        timed_out = False
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_tree(process.pid)
-            stdout, stderr = process.communicate(timeout=60)
+    if launcher == "forked":
+        returncode, stdout, stderr, timed_out = _forked_launch(
+            path, [str(a) for a in args], command, launch_env(env), str(cwd or REPO_ROOT), timeout
+        )
+    else:
+        with subprocess.Popen(
+            command,
+            cwd=str(cwd or REPO_ROOT),
+            env=launch_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        ) as process:
+            timed_out = False
+            try:
+                stdout, stderr = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_tree(process.pid)
+                stdout, stderr = process.communicate(timeout=60)
+        returncode = process.returncode
     seconds = time.perf_counter() - started
-    completed = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    completed = subprocess.CompletedProcess(command, returncode, stdout, stderr)
     completed.seconds = seconds  # type: ignore[attr-defined]
-    if timed_out or process.returncode != 0:
-        what = f"timed out after {timeout:.0f} s" if timed_out else f"exited with {process.returncode}"
+    completed.launcher = launcher  # type: ignore[attr-defined]
+    if timed_out or returncode != 0:
+        what = f"timed out after {timeout:.0f} s" if timed_out else f"exited with {returncode}"
         raise AssertionError(
-            f"{path.name} on {num_processes} process(es), deepspeed={deepspeed!r}: {what} "
+            f"{path.name} on {num_processes} process(es), deepspeed={deepspeed!r}, {launcher} launch: {what} "
             f"({seconds:.1f} s).\ncommand: {' '.join(command)}\n"
             f"--- stdout (last {tail_lines} lines) ---\n{_tail(stdout, tail_lines)}\n"
             f"--- stderr (last {tail_lines} lines) ---\n{_tail(stderr, tail_lines)}"

@@ -63,14 +63,17 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
 
 
 def _fresh_sys_path() -> list[str]:
-    """``sys.path`` of ``python script.py`` without its first entry (the script's folder)."""
+    """``sys.path`` of ``python script.py`` without ``PYTHONPATH`` and its first entry (the script's
+    folder); the child puts its own environment's ``PYTHONPATH`` before it."""
     global _interpreter_path
     if _interpreter_path is None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         out = subprocess.run(
             [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
             capture_output=True,
             text=True,
             check=True,
+            env=env,
         )
         _interpreter_path = json.loads(out.stdout)
     return _interpreter_path
@@ -94,7 +97,8 @@ def _child(
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [script, *argv]
-    sys.path[:] = [str(Path(script).parent), *path]
+    extra = [os.path.abspath(entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:] = [str(Path(script).parent), *extra, *path]
     code: int = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -119,6 +123,33 @@ def _child(
         os._exit(code)
 
 
+def start(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    logs: Sequence[str | os.PathLike[str]],
+) -> multiprocessing.process.BaseProcess:
+    """Start ``script`` with ``args`` from a fork of the preloaded server and return at once: the started
+    process (``join``, ``exitcode``, ``terminate``, ``kill``, ``pid``). Its stdout and stderr go to the
+    two files of ``logs``. :func:`run` waits for one; tests/distributed.py starts several (the ranks of a
+    launch)."""
+    process = _forkserver().Process(
+        target=_child,
+        args=(
+            str(Path(script).resolve()),
+            [str(a) for a in args],
+            str(cwd or os.getcwd()),
+            dict(os.environ if env is None else env),
+            _fresh_sys_path(),
+            [str(log) for log in logs],
+        ),
+    )
+    process.start()
+    return process
+
+
 def run(
     script: str | os.PathLike[str],
     args: Sequence[str] = (),
@@ -137,19 +168,8 @@ def run(
     argv = [str(a) for a in args]
     with tempfile.TemporaryDirectory(prefix="forked-") as folder:
         logs = [os.path.join(folder, "stdout"), os.path.join(folder, "stderr")]
-        process = _forkserver().Process(
-            target=_child,
-            args=(
-                script,
-                argv,
-                str(cwd or os.getcwd()),
-                dict(os.environ if env is None else env),
-                _fresh_sys_path(),
-                logs,
-            ),
-        )
         started = time.monotonic()
-        process.start()
+        process = start(script, argv, cwd=cwd, env=env, logs=logs)
         process.join(timeout)
         if process.exitcode is None:
             process.kill()

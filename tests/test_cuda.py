@@ -242,6 +242,7 @@ def test_examples_under_deepspeed_on_one_gpu_evaluate_then_learn(
         deepspeed=config,
         env={"RLHF_TRAINERS_KIT_DIR": str(kit.root), "CUDA_VISIBLE_DEVICES": "0", "DS_ACCELERATOR": "cuda"},
         timeout=400,
+        launcher="accelerate",
     )
     import json
 

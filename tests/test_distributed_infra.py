@@ -12,16 +12,25 @@ The DeepSpeed configs are proven by the trainers' own launches: ``tests/test_rew
 as ``from_pretrained`` loads them under ZeRO-3 and the full tensors in the saved checkpoint; the
 plain-Trainer launches of ZeRO-2 and ZeRO-3 that stood here checked the same and were removed to keep
 CI's time (2 launches of ~25 s on both cores).
+
+The DDP launch uses ``accelerate launch`` itself; the trainer tests start the same ranks as forks of a
+preloaded server (``run_script(launcher="forked")``, the default), and the launcher tests below check both
+ways: a failure's output, a failing rank stopping the others, a timeout killing every rank. What the
+forked ranks' environments hold is checked against accelerate's own launch code by
+``test_forked_ranks_get_the_environment_of_accelerate_launch``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 
 import psutil
 import pytest
 from distributed import (
     ACCELERATE_CONFIGS,
+    LAUNCHERS,
     launch_command,
     parameter_digest,
     read_rank_results,
@@ -45,6 +54,7 @@ def _run_plain_trainer(kit: OfflineKit, tmp_path, deepspeed: str | None) -> list
         deepspeed=deepspeed,
         env={"RLHF_TRAINERS_KIT_DIR": str(kit.root)},
         timeout=600,
+        launcher="accelerate",  # the harness's proof: the real launcher (the trainer tests fork their ranks)
     )
     results = read_rank_results(out, NUM_PROCESSES)
 
@@ -98,15 +108,34 @@ def test_launch_command_uses_the_example_configs(tmp_path):
         launch_command("s.py", deepspeed="zero1")
 
 
-def test_run_script_failure_shows_the_output_tail(tmp_path):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_run_script_failure_shows_the_output_tail(tmp_path, launcher):
     script = tmp_path / "fails.py"
     script.write_text("import sys\nprint('about to fail')\nsys.exit('the reason it failed')\n")
     with pytest.raises(AssertionError, match=r"(?s)exited with 1.*about to fail.*the reason it failed"):
-        run_script(script, num_processes=1, timeout=120)
+        run_script(script, num_processes=1, timeout=120, launcher=launcher)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_failing_rank_stops_the_others(tmp_path, launcher):
+    """As torch's elastic agent does: once rank 1 fails, rank 0 (which would wait 10 minutes) is stopped
+    and the launch reports the failure."""
+    script = tmp_path / "one_fails.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit('rank 1 gives up')\n"
+        "time.sleep(600)\n"
+    )
+    began = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)exited with 1.*rank 1 gives up"):
+        run_script(script, timeout=300, launcher=launcher)
+    assert time.monotonic() - began < 120
 
 
 @pytest.mark.multiprocess
-def test_run_script_timeout_kills_the_ranks_too(tmp_path):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_run_script_timeout_kills_the_ranks_too(tmp_path, launcher):
     script = tmp_path / "hangs.py"
     script.write_text(
         "import os, pathlib, time\n"
@@ -114,8 +143,37 @@ def test_run_script_timeout_kills_the_ranks_too(tmp_path):
         "time.sleep(600)\n"
     )
     with pytest.raises(AssertionError, match="timed out"):
-        run_script(script, timeout=12)  # the ranks start within ~3 s
+        run_script(script, timeout=12, launcher=launcher)  # the ranks start within ~3 s
     for rank in range(2):  # killed with their launcher: nothing left running
         pid = int((tmp_path / f"pid-{rank}").read_text())
         with contextlib.suppress(psutil.NoSuchProcess):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"rank {rank} (pid {pid}) still runs"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("deepspeed", [None, "zero3"])
+def test_forked_ranks_get_the_environment_of_accelerate_launch(tmp_path, deepspeed):
+    """Each forked rank's environment is that of the rank ``accelerate launch`` starts for the same
+    command (accelerate's variables, the DeepSpeed config and fields, the rank variables, PYTHONPATH),
+    except the rendezvous port and the variables of torch's elastic agent, which does not run."""
+    script = tmp_path / "dump.py"
+    script.write_text(
+        "import json, os, pathlib, sys\n"
+        "pathlib.Path(sys.argv[1], os.environ['RANK'] + '.json').write_text(json.dumps(dict(os.environ)))\n"
+    )
+    seen = {}
+    for launcher in LAUNCHERS:
+        (tmp_path / launcher).mkdir()
+        run_script(script, [str(tmp_path / launcher)], deepspeed=deepspeed, launcher=launcher, timeout=300)
+        seen[launcher] = [json.loads((tmp_path / launcher / f"{r}.json").read_text()) for r in range(2)]
+    agent_only = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+    for rank in range(2):
+        real, ours = seen["accelerate"][rank], seen["forked"][rank]
+        assert real.keys() - ours.keys() == agent_only
+        assert ours.keys() <= real.keys()
+        differ = {k for k in ours if ours[k] != real[k]}
+        assert differ == {"MASTER_PORT"}, {k: (real[k], ours[k]) for k in differ}
+    assert seen["forked"][0]["RANK"] == "0" and seen["forked"][1]["WORLD_SIZE"] == "2"
+    if deepspeed:
+        assert seen["forked"][0]["ACCELERATE_USE_DEEPSPEED"] == "true"
+        assert seen["forked"][0]["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"

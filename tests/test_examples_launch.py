@@ -58,6 +58,7 @@ def test_ppo_example_with_the_zero3_config(kit, tmp_path):
         deepspeed="zero3",
         env={"RLHF_TRAINERS_KIT_DIR": str(kit.root)},
         timeout=600,
+        launcher="accelerate",  # the user's command, launcher and all
     )
     results = _check_trained(kit, out, results_file, done.stdout, updates=4)
     assert (results["distributed_type"], results["zero_stage"]) == ("DEEPSPEED", 3)

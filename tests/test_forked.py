@@ -18,7 +18,7 @@ mode = sys.argv[1]
 atexit.register(lambda: print("atexit ran", flush=True))
 print(json.dumps({
     "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("FORKED_TEST"), "name": __name__,
-    "path0": sys.path[0], "path_rest": sys.path[1:], "hub_offline": __import__("huggingface_hub").constants.HF_HUB_OFFLINE,
+    "path0": sys.path[0], "path_rest": sys.path[1:], "hub_offline": __import__("huggingface_hub.constants").constants.HF_HUB_OFFLINE,
     "torch_loaded": "torch" in sys.modules, "has_torch_name": "torch" in globals(),
 }), flush=True)
 print("to stderr", file=sys.stderr)
@@ -43,7 +43,10 @@ def script(tmp_path):
 
 
 def test_a_script_runs_as_main_with_its_argv_cwd_env_and_path(script, tmp_path):
-    done = forked.run(script, ["ok", 7], cwd=tmp_path, env={**os.environ, "FORKED_TEST": "yes"})
+    # PYTHONPATH of the run's environment (an absolute and a relative entry) comes first, as in a fresh
+    # interpreter (the launches of tests/distributed.py put tests/ there)
+    env = {**os.environ, "FORKED_TEST": "yes", "PYTHONPATH": os.pathsep.join([str(tmp_path / "lib"), "rel"])}
+    done = forked.run(script, ["ok", 7], cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[0])
     assert seen["argv"] == [str(script), "ok", "7"] and seen["name"] == "__main__"
@@ -55,14 +58,12 @@ def test_a_script_runs_as_main_with_its_argv_cwd_env_and_path(script, tmp_path):
     # the Hub is off for every forked script (read once, at the server's imports), whatever the caller's env
     assert seen["hub_offline"] is True
     assert done.stderr == "to stderr\n"
-    # the interpreter's own path after the script's folder, as in `python probe.py` (not pytest's)
+    # the rest of sys.path as in `python probe.py` with that environment (not pytest's)
     fresh = subprocess.run(
-        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, str(script), "ok"], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
     )
-    assert seen["path_rest"] == json.loads(fresh.stdout)
+    assert seen["path_rest"] == json.loads(fresh.stdout.splitlines()[0])["path_rest"]
+    assert seen["path_rest"][:2] == [str(tmp_path / "lib"), str(tmp_path / "rel")]
 
 
 @pytest.mark.parametrize(

@@ -464,7 +464,8 @@ def test_one_engine_per_process_learns_and_the_ranks_agree(tmp_path, trainer, de
     args = ["--output_dir", out, "--trainer", trainer, "--max_steps", updates, "--num_eval_prompts", 64]
     if lora:  # the adapter learns at a higher rate than full weights (tests/test_rloo_distributed.py)
         args += ["--lora", "--learning_rate", "5e-3"]
-    run_script("vllm_distributed.py", args, deepspeed=deepspeed, timeout=900)
+    # accelerate launch: vLLM's engine and its shutdown at exit in fresh interpreters of the vLLM env
+    run_script("vllm_distributed.py", args, deepspeed=deepspeed, timeout=900, launcher="accelerate")
     results = read_rank_results(out)
     check_launch(results, deepspeed, updates)
     rank0, rank1 = results
