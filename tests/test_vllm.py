@@ -133,6 +133,11 @@ def test_sampling_follows_the_settings_and_the_torch_seed(kit, tmp_path):
         torch.manual_seed(seed)
         return trainer.sample_responses(batch, copies=4, with_logprobs=True)
 
+    # On CPU the engine's KV blocks are 32 tokens with the prefix cache on, so that a group's copies of a
+    # prompt (below: 4) share its whole blocks (vLLM's CPU default, 128, left prompts this short unshared);
+    # the copies' draws stay independent (checked below).
+    cache = trainer.generation_backend.llm.llm_engine.vllm_config.cache_config
+    assert (cache.block_size, cache.enable_prefix_caching) == (32, True)
     first, again, other = sample(1), sample(1), sample(2)
     assert torch.equal(first.response, again.response)  # reproducible from torch's seed
     assert not torch.equal(first.response, other.response)

@@ -268,6 +268,14 @@ class VLLMColocated:
             if on_gpu:
                 engine_args["gpu_memory_utilization"] = gpu_memory_utilization
                 engine_args["enable_sleep_mode"] = self.sleeps
+            else:
+                # KV blocks of 32 tokens (the smallest vLLM's CPU attention takes; its default there is 128):
+                # the prefix cache shares whole blocks only, so with 128 the prompts of RLOO/GRPO groups (k
+                # copies of one prompt) and a shared chat-template prefix were prefilled once per request.
+                # Measured, SmolLM2-135M, 32 prompts x 4 copies of 48 tokens, 32 new tokens, 1 thread:
+                # prefill 14.4 -> 7.3 s, whole generation 29.5 -> 22.5-26 s.
+                engine_args["block_size"] = 32
+                engine_args["enable_prefix_caching"] = True
             env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib)}
             try:
                 with _environment(env), _process_state_kept():
