@@ -8,9 +8,11 @@ engine's passes (:func:`rlhf_trainers.onpolicy.forward.pack_sequences`) and rewa
   :func:`one_row_attention` switches it, for the duration of the pass, to :data:`SEGMENT_ATTENTION`, which
   calls PyTorch's ``scaled_dot_product_attention`` once per sequence (causal, no mask, each sequence's own
   keys: the work of the real tokens only), or, on a GPU in fp16/bf16, PyTorch's variable-length flash
-  attention once for all of them (:func:`varlen_kernel`). A model on another implementation is left as it is: the probe
-  decides whether it keeps the sequences apart (transformers' flash-attention path reads packed sequences
-  from the position ids of a single row; not run here, no GPU with flash-attn was available).
+  attention once for all of them (:func:`varlen_kernel`); on a GPU without that kernel the passes take
+  rows of the longest sequence instead (:func:`one_row_fits`). A model on another implementation is left
+  as it is: the probe decides whether it keeps the sequences apart (transformers' flash-attention path
+  reads packed sequences from the position ids of a single row; not run here, no GPU with flash-attn was
+  available).
 - **Rows of the longest sequence** (:func:`padding_free_matches`): whole sequences first-fit into rows as
   wide as the longest, attention kept within each by the block-diagonal mask that transformers'
   ``create_causal_mask`` builds from the position ids. The free tail of each row is computed like a

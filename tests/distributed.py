@@ -22,9 +22,9 @@ scripts they launch import its script-side helpers (:func:`run_script` puts ``te
 - ``OMP_NUM_THREADS=1`` (2 ranks on 2 cores), offline Hugging Face flags, a free rendezvous port per
   run (concurrent test sessions on one machine would collide on accelerate's default 29500).
 
-DeepSpeed's first start on a machine JIT-compiles its CPU shared-memory comm op (about 1.5 min on 2
-cores), cached in ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions/py<XY>_cpu``); later
-starts load it in a second.
+DeepSpeed's first start in a virtual environment JIT-compiles its CPU shared-memory comm op (~35 s on 2
+idle cores), cached in ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions/py<XY>_cpu``); later
+starts from the same environment load it in a second (a new environment compiles it again).
 """
 
 from __future__ import annotations
