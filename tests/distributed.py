@@ -228,7 +228,7 @@ def rank_environments(
     from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     args = launch_command_parser().parse_args(list(command[3:]))
-    with _environment(env, cwd), warnings_ignored():
+    with _environment(env, cwd), _warnings_ignored():
         args, defaults, mp_from_config_flag = _validate_launch_command(args)
         if args.use_deepspeed:
             fields = list(defaults.deepspeed_config.keys()) if defaults else []
@@ -270,7 +270,8 @@ def rank_environments(
 
 
 @contextlib.contextmanager
-def warnings_ignored():
+def _warnings_ignored():
+    """accelerate's launch checks warn about a machine without GPUs; not this launch's business."""
     import warnings
 
     with warnings.catch_warnings():
@@ -290,10 +291,14 @@ def _forked_launch(
     import forked
 
     with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
-        logs = [[os.path.join(folder, f"{rank}.{name}") for name in ("out", "err")] for rank in range(8)]
+        environments = rank_environments(command, env, cwd)
+        logs = [
+            [os.path.join(folder, f"{rank}.{name}") for name in ("out", "err")]
+            for rank in range(len(environments))
+        ]
         processes = [
             forked.start(script, args, cwd=cwd, env=rank_env, logs=logs[rank])
-            for rank, rank_env in enumerate(rank_environments(command, env, cwd))
+            for rank, rank_env in enumerate(environments)
         ]
         deadline = time.monotonic() + timeout
         failed: int | None = None
