@@ -10,6 +10,9 @@ stop token, so both backends generate the same number of tokens), ``--updates`` 
 transformers than the main environment: :mod:`rlhf_trainers.testing.vllm_env`), both backends in the same
 environment so that only the generation differs, one run at a time, with the torch threads of the machine.
 The first update (vLLM's warm-up, allocator growth) is left out; the figures are medians over the others.
+vLLM runs twice: with the rollout's log-probs recomputed by a policy forward pass (``vllm``, the default
+``rollout_logprobs='auto'``) and with vLLM's own log-probs as the rollout's (``vllm-old``,
+``rollout_logprobs='generation'``, no policy forward pass).
 
     python benchmarks/vllm_generation.py                      # writes benchmarks/results/vllm_generation_cpu.json
     python benchmarks/vllm_generation.py --updates 6 --trainers rloo
@@ -33,7 +36,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRAINERS = ("ppo", "rloo")
-BACKENDS = ("builtin", "vllm")
+#: builtin: the sampling loop (its own log-probs are the rollout's); vllm: vLLM, the rollout's log-probs
+#: recomputed by a policy forward pass (the default); vllm-old: vLLM's log-probs as the rollout's
+#: (``rollout_logprobs='generation'``, no policy forward pass).
+BACKENDS = ("builtin", "vllm", "vllm-old")
+LOGPROBS = {"builtin": "sampling loop's", "vllm": "forward pass", "vllm-old": "vLLM's"}
 
 
 def worker(
@@ -79,7 +86,8 @@ def worker(
         "use_cpu": not torch.cuda.is_available(),
         "seed": seed,
         "disable_tqdm": True,
-        "use_vllm": backend == "vllm",
+        "use_vllm": backend.startswith("vllm"),
+        "rollout_logprobs": "generation" if backend == "vllm-old" else "auto",
         "local_rollout_forward_batch_size": completions,
     }
     config = RLOOConfig(rloo_k=4, **common) if trainer_name == "rloo" else PPOConfig(**common)
@@ -126,6 +134,7 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
 
     return {
         "generate_s": median("timing/generate"),
+        "policy_s": median("timing/policy"),
         "step_s": median("timing/step"),
         "episodes_per_s": median("perf/episodes_per_sec"),
         "weight_sync_s": median("timing/weight_sync"),
@@ -202,12 +211,14 @@ def main() -> None:
     ratios = {}
     for trainer_name in args.trainers:
         by = {r["backend"]: r["summary"] for r in runs if r["trainer"] == trainer_name}
-        if len(by) < len(BACKENDS):
+        if "builtin" not in by:
             continue
-        ratios[trainer_name] = {
-            "generation_speedup": by["builtin"]["generate_s"] / by["vllm"]["generate_s"],
-            "episodes_per_s_ratio": by["vllm"]["episodes_per_s"] / by["builtin"]["episodes_per_s"],
-        }
+        for backend in ("vllm", "vllm-old"):
+            if backend in by:
+                ratios.setdefault(trainer_name, {})[backend] = {
+                    "generation_speedup": by["builtin"]["generate_s"] / by[backend]["generate_s"],
+                    "episodes_per_s_ratio": by[backend]["episodes_per_s"] / by["builtin"]["episodes_per_s"],
+                }
     device = "cuda" if "cuda" in runs[0]["generation"].lower() else "cpu"
     result = {
         "benchmark": "vllm_generation",
@@ -227,22 +238,25 @@ def main() -> None:
     path = args.out / f"vllm_generation_{device}{suffix}.json"
     path.write_text(json.dumps(result, indent=1))
     lines = [
-        "| trainer | backend | generation s / update | update s | episodes/s | weight sync s | max abs logp diff |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| trainer | backend | rollout log-probs | generation s / update | policy forward s | update s | episodes/s "
+        "| weight sync s | max abs logp diff |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
         s = run["summary"]
         sync = f"{s['weight_sync_s']:.2f}" if s["weight_sync_s"] is not None else "-"
         diff = f"{s['logp_diff_max']:.1e}" if s["logp_diff_max"] is not None else "-"
         lines.append(
-            f"| {run['trainer'].upper()} | {run['generation']} | {s['generate_s']:.2f} | {s['step_s']:.2f} | "
-            f"{s['episodes_per_s']:.2f} | {sync} | {diff} |"
+            f"| {run['trainer'].upper()} | {run['generation']} | {LOGPROBS[run['backend']]} | "
+            f"{s['generate_s']:.2f} | {s['policy_s'] or 0:.2f} | {s['step_s']:.2f} | {s['episodes_per_s']:.2f} | "
+            f"{sync} | {diff} |"
         )
-    for trainer_name, r in ratios.items():
-        lines.append(
-            f"\n{trainer_name.upper()}: generation {r['generation_speedup']:.2f}x faster with vLLM, "
-            f"episodes/s {r['episodes_per_s_ratio']:.2f}x."
-        )
+    for trainer_name, by_backend in ratios.items():
+        for backend, r in by_backend.items():
+            lines.append(
+                f"\n{trainer_name.upper()}, {backend} (rollout log-probs: {LOGPROBS[backend]}): generation "
+                f"{r['generation_speedup']:.2f}x faster than the builtin loop, episodes/s {r['episodes_per_s_ratio']:.2f}x."
+            )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
 

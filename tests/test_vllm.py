@@ -228,6 +228,39 @@ def test_rloo_learns_with_a_reward_function(kit, tmp_path):
     _learns(trainer, 0.5)
 
 
+def test_vllms_logprobs_as_the_old_ones_spare_the_policy_pass_and_rloo_learns(kit, tmp_path):
+    """rollout_logprobs='generation' (verl's bypass mode): the rollout's log-probs are vLLM's, so the rollout
+    runs no forward pass of the policy and the loss no separate importance weights (the clipped ratio is
+    taken against vLLM's distribution); the mismatch metrics come from the first mini-batch's training
+    pass, small in fp32; RLOO learns."""
+    trainer = _trainer(
+        kit, tmp_path, train_n=512, eval_n=96, max_steps=25, rloo_k=4, rollout_logprobs="generation", **LEARN
+    )
+    assert trainer.vllm_logprobs_are_old
+    calls = []
+    hook = trainer.policy.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        rollout = trainer.rollout(trainer._prompt_batch(0))
+    finally:
+        hook.remove()
+    assert not calls, "the rollout ran the policy's forward pass"
+    mask = rollout.response_mask
+    assert mask.any()
+    assert torch.equal(rollout.logprobs[mask], rollout.generation_logprobs[mask])
+    assert rollout.entropy is None and rollout.sampling_weights is None
+
+    before = trainer.evaluate()["eval_objective/scores/true_reward"]
+    trainer.train()
+    after = trainer.evaluate()["eval_objective/scores/true_reward"]
+    assert after - before >= 0.5, (before, after)
+    logged = [h for h in trainer.state.log_history if "timing/step" in h]
+    assert all(h["timing/policy"] == 0.0 for h in logged)
+    assert all("sampling/importance_sampling_ratio/mean" not in h for h in logged)
+    # fp32: the first mini-batch's training pass scores vLLM's samples as vLLM did, up to kernel rounding
+    assert all(0 < h["sampling/sampling_logp_difference/max"] < 1e-3 for h in logged)
+    assert all(h["policy/ratio_at_start"] < 1e-3 for h in logged)
+
+
 def test_grpo_learns_with_vllm(kit, tmp_path):
     """GRPOTrainer on the same engine: use_vllm works as for PPO and RLOO (TRL's names, a step is an
     optimizer step; the vLLM importance weights reach GRPO's loss)."""

@@ -93,7 +93,6 @@ def test_use_vllm_without_vllm_says_how_to_install_it_at_construction(kit, tmp_p
             "vllm_importance_sampling_cap=0.0: expected a finite number > 0",
         ),
         ("vllm_importance_sampling_cap", float("inf"), "vllm_importance_sampling_cap=inf"),
-        ("rollout_logprobs", "generation", "rollout_logprobs='generation' with use_vllm=True"),
         ("generation_loop", "transformers", "vLLM replaces the generation loop"),
         ("truncated_is_cap", 2.0, "truncated_is_cap with use_vllm=True"),
     ],
@@ -106,3 +105,22 @@ def test_vllm_settings_are_checked_when_the_config_is_built(tmp_path, field, val
 def test_vllm_settings_are_not_checked_without_use_vllm(tmp_path):
     config = RLOOConfig(output_dir=str(tmp_path), vllm_mode="server", vllm_dtype="fp8")
     assert not config.use_vllm
+
+
+def test_vllms_logprobs_may_be_the_rollouts(tmp_path):
+    """rollout_logprobs='generation' with use_vllm=True is accepted (vLLM's log-probs as the old ones, no
+    policy forward pass: tests/test_vllm.py checks the trainer); with dropout on it is refused as for the
+    builtin loop, since the training pass would then not be the policy that sampled."""
+    config = RLOOConfig(
+        output_dir=str(tmp_path), rloo_k=2, response_length=8, use_vllm=True, rollout_logprobs="generation"
+    )
+    assert config.rollout_logprobs == "generation" and config.vllm_importance_sampling_correction
+    with pytest.raises(ValueError, match="disable_dropout=False"):
+        RLOOConfig(
+            output_dir=str(tmp_path),
+            rloo_k=2,
+            response_length=8,
+            use_vllm=True,
+            rollout_logprobs="generation",
+            disable_dropout=False,
+        )

@@ -195,8 +195,13 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "mini-batch in any precision). 'generation': the sampling loop's own logits (one policy forward "
             "pass less per rollout; in float32 equal to 'forward' up to rounding, about 1e-6, while under "
             "bf16/fp16 the cached decode and the full forward disagree, the RLOO blog's 'dark side'). "
+            "With use_vllm=True, 'generation' takes vLLM's log-probs as the rollout's (verl's bypass "
+            "mode): no policy forward pass in the rollout, and the clipped ratio pi_theta / pi_vllm itself "
+            "corrects for vLLM's distribution (vllm_importance_sampling_correction then has nothing left to "
+            "weight; the sampling/* metrics are measured on the first mini-batch's training pass). "
             "'auto': 'generation' when the policy's weights and arithmetic are float32 (no bf16/fp16), "
-            "dropout is off and no truncated importance sampling compares the two, else 'forward'."
+            "dropout is off and no truncated importance sampling compares the two (never with use_vllm), "
+            "else 'forward'."
         },
     )
     # ---- vLLM generation (rlhf_trainers.generation.vllm_colocated) -----------------------------
@@ -207,8 +212,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "instead of generation_loop: one engine inside each training process (vllm_mode='colocate'), "
             "given token ids and returning token ids, its weights synced from the policy (a PEFT adapter "
             "merged in) before the first generation after every optimizer update. The rollout's log-probs "
-            "are always recomputed by the trainer's forward pass; vLLM's own are kept for the mismatch "
-            "metrics (sampling/*) and the importance-sampling correction (vllm_importance_sampling_*)."
+            "are recomputed by the trainer's forward pass (rollout_logprobs='auto'/'forward'); vLLM's own "
+            "are kept for the mismatch metrics (sampling/*) and the importance-sampling correction "
+            "(vllm_importance_sampling_*). rollout_logprobs='generation' uses vLLM's instead (no forward)."
         },
     )
     vllm_mode: str = field(
@@ -264,7 +270,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         metadata={
             "help": "With use_vllm, weight each token's policy loss by the truncated importance ratio "
             "pi_train(token) / pi_vllm(token) (truncated importance sampling), correcting for vLLM's "
-            "sampling distribution differing from the trained one (kernels, precision)."
+            "sampling distribution differing from the trained one (kernels, precision). Not applied with "
+            "rollout_logprobs='generation', where the rollout's log-probs are vLLM's: the clipped policy "
+            "ratio is then taken against vLLM's distribution directly."
         },
     )
     vllm_importance_sampling_mode: str = field(
@@ -718,12 +726,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap}: expected a finite number > 0 "
                 "(e.g. 3.0)."
-            )
-        if self.rollout_logprobs == "generation":
-            raise ValueError(
-                "rollout_logprobs='generation' with use_vllm=True: vLLM's log-probs come from other kernels than "
-                "the training forward pass, so the rollout recomputes them. Use rollout_logprobs='forward' or "
-                "'auto'."
             )
         if self.generation_loop != "builtin":
             raise ValueError(

@@ -82,8 +82,9 @@ class ForwardPasses:
     logprobs: torch.Tensor
     """float32 log-probs of the response under the policy (logits / temperature): the 'old' log-probs
     of the clipped ratio."""
-    entropy: torch.Tensor
-    """float32 entropy of the policy's distribution at each response position (a metric)."""
+    entropy: torch.Tensor | None
+    """float32 entropy of the policy's distribution at each response position (a metric); None where the
+    log-probs are vLLM's (``rollout_logprobs='generation'`` with ``use_vllm``), which gives no entropies."""
     ref_logprobs: torch.Tensor
     """log-probs of the response under the reference model (the policy without adapter under PEFT); the
     policy's own when no KL term reads a reference (``uses_reference_model`` False)."""
@@ -109,9 +110,11 @@ class Rollout:
     lengths: torch.Tensor
     """(N,) long, response tokens up to and including the stop token."""
     logprobs: torch.Tensor
-    """(N, R) float32 policy log-probs at sampling time (the ratio's denominator)."""
-    entropy: torch.Tensor
-    """(N, R) float32 entropy of the policy at each response position."""
+    """(N, R) float32 policy log-probs at sampling time (the ratio's denominator): the trainer's forward
+    pass, the sampling loop's own, or vLLM's (``rollout_logprobs``)."""
+    entropy: torch.Tensor | None
+    """(N, R) float32 entropy of the policy at each response position; None when the rollout's log-probs
+    are vLLM's (``rollout_logprobs='generation'`` with ``use_vllm``: vLLM gives no entropies)."""
     ref_logprobs: torch.Tensor
     """(N, R) reference-model log-probs of the response (the policy's when no reference is used, so the
     KL is 0)."""
@@ -476,7 +479,8 @@ class RolloutSteps:
             if from_generation:
                 # The sampling loop's own log-probs (rollout_logprobs): no policy forward pass.
                 parts["logprobs"].append(samples.generation_logprobs[rows].masked_fill(~response_mask, 0.0))
-                parts["entropy"].append(samples.generation_entropy[rows].masked_fill(~response_mask, 0.0))
+                if samples.generation_entropy is not None:  # vLLM gives none
+                    parts["entropy"].append(samples.generation_entropy[rows].masked_fill(~response_mask, 0.0))
                 timings["timing/policy"] += 0.0  # logged as 0: the pass was skipped
             else:
                 began = time.perf_counter()
@@ -515,7 +519,7 @@ class RolloutSteps:
                 parts["values"].append(pad_columns(values.float(), R))
                 timings["timing/values"] += time.perf_counter() - began
         joined = {name: torch.cat(values) for name, values in parts.items()}
-        return ForwardPasses(values=joined.pop("values", None), **joined)
+        return ForwardPasses(values=joined.pop("values", None), entropy=joined.pop("entropy", None), **joined)
 
     # ---- 5. per-token rewards and KL ----------------------------------------------------------
 
@@ -534,6 +538,7 @@ class RolloutSteps:
             args.use_vllm
             and args.vllm_importance_sampling_correction
             and samples.generation_logprobs is not None
+            and not self.logprobs_from_generation  # vLLM's are the rollout's: the ratio itself corrects
         ):
             sampling_weights = F.truncated_importance_weights(
                 passes.logprobs,

@@ -537,6 +537,9 @@ class OnPolicyTrainer(
             for epoch in range(args.num_ppo_epochs)
         ]
         normalizations = self._loss_normalizations(rollout, orders)
+        # vLLM's log-probs as the old ones: the first mini-batch's pass (the weights vLLM sampled with) is
+        # where the trainer's own log-probs of the rollout are seen; the mismatch metrics come from it.
+        mismatch: list[torch.Tensor] = []
         Q = rollout.query.shape[1]
         micro_batch_counts: list[int] = []
         for epoch, order_on_host in enumerate(orders):
@@ -561,6 +564,9 @@ class OnPolicyTrainer(
                         logprobs, values, entropy = self._training_forward(model, rollout, rows, bounds)
                         if epoch == 0 and mini_batch == 0 and micro == 0:
                             self._check_ratio_at_start(logprobs.detach(), rollout, rows, stats)
+                        if epoch == 0 and mini_batch == 0 and self.vllm_logprobs_are_old:
+                            mask = rollout.response_mask[rows]
+                            mismatch.append((logprobs.detach() - rollout.logprobs[rows]).float()[mask])
                         loss, metrics = self.compute_policy_loss(
                             rollout,
                             advantages,
@@ -607,6 +613,9 @@ class OnPolicyTrainer(
         reduced = self._reduce_means({name: torch.stack(v).mean() for name, v in stats.items()})
         if grad_norms:
             reduced["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if self.vllm_logprobs_are_old:
+            diff = torch.cat(mismatch) if mismatch else rollout.logprobs.new_zeros(0)
+            reduced.update(self._sampling_mismatch_metrics(diff, None))
         return reduced
 
     def micro_batches(
@@ -805,6 +814,17 @@ class OnPolicyTrainer(
             )
         if float(worst) > self.args.ratio_tolerance and not self._ratio_warned and self.args.should_log:
             self._ratio_warned = True
+            if self.vllm_logprobs_are_old:
+                logger.warning(
+                    "policy ratio at the first mini-batch deviates from 1 by %.3g (> ratio_tolerance=%g): with "
+                    "rollout_logprobs='generation' the ratio's denominator is vLLM's log-prob, and vLLM's "
+                    "distribution differs from the trained one (see sampling/sampling_logp_difference); the clip "
+                    "then acts on that difference too. Run vLLM in the policy's dtype (vllm_dtype='auto') or "
+                    "use rollout_logprobs='auto' (recomputed log-probs + vllm_importance_sampling_correction).",
+                    float(worst),
+                    self.args.ratio_tolerance,
+                )
+                return
             logger.warning(
                 "policy ratio at the first mini-batch deviates from 1 by %.3g (> ratio_tolerance=%g): the rollout "
                 "log-probs and the training forward pass disagree. Keep logprobs_in_fp32=True, run both passes in "
@@ -894,25 +914,37 @@ class OnPolicyTrainer(
             metrics[f"objective/scores/{name}"] = (
                 float(values[finite].mean()) if finite.any() else float("nan")
             )
-        if self.args.use_vllm and rollout.generation_logprobs is not None:
-            metrics.update(self._sampling_mismatch_metrics(rollout))
+        if self.args.use_vllm and rollout.generation_logprobs is not None and not self.vllm_logprobs_are_old:
+            mask = rollout.response_mask
+            weights = rollout.sampling_weights
+            if weights is None:
+                w = None
+            elif weights.shape == mask.shape:  # per token
+                w = weights[mask].float()
+            else:  # per sequence
+                w = weights[rollout.valid_rows].reshape(-1).float()
+            diff = (rollout.logprobs - rollout.generation_logprobs).float()[mask]
+            metrics.update(self._sampling_mismatch_metrics(diff, w))
         return metrics
 
-    def _sampling_mismatch_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """How far vLLM's sampling distribution is from the trained one, over the valid response tokens of
-        all processes (TRL's ``sampling/*`` names): the mean and max of |logp_train - logp_vllm|, a k3
-        estimate of KL(pi_vllm || pi_train) (the tokens were sampled from vLLM), the importance weights
-        (after the cap) and the seconds of the last weight sync."""
-        mask = rollout.response_mask
-        diff = (rollout.logprobs - rollout.generation_logprobs).float()[mask]
+    @property
+    def vllm_logprobs_are_old(self) -> bool:
+        """Whether the rollout's log-probs (the clipped ratio's denominator) are vLLM's own
+        (``rollout_logprobs='generation'`` with ``use_vllm``, verl's bypass mode): no policy forward pass in
+        the rollout, no separate importance weights, and the mismatch metrics measured on the update's
+        first mini-batch (:meth:`_optimize`), before its first optimizer step."""
+        return bool(self.args.use_vllm and self.logprobs_from_generation)
+
+    def _sampling_mismatch_metrics(
+        self, diff: torch.Tensor, weights: torch.Tensor | None
+    ) -> dict[str, float]:
+        """How far vLLM's sampling distribution is from the trained one, over valid response tokens of all
+        processes (TRL's ``sampling/*`` names): the mean and max of |logp_train - logp_vllm| (``diff``, one
+        value per token), a k3 estimate of KL(pi_vllm || pi_train) (the tokens were sampled from vLLM), the
+        importance ``weights`` (after the cap; per token or per sequence; None: not applied) and the
+        seconds of the last weight sync. A collective: every process calls it."""
         k3 = (diff.exp() - 1) - diff
-        weights = rollout.sampling_weights
-        if weights is None:
-            w = diff.new_zeros(0)
-        elif weights.shape == mask.shape:  # per token
-            w = weights[mask].float()
-        else:  # per sequence
-            w = weights[rollout.valid_rows].reshape(-1).float()
+        w = diff.new_zeros(0) if weights is None else weights
         count = diff.new_tensor(float(diff.numel()))
         sums = torch.stack([count, diff.abs().sum(), k3.sum(), w.sum(), w.new_tensor(float(w.numel()))])
         sums = self._all_reduce(sums.double().to(self.accelerator.device)).cpu()
