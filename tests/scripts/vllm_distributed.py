@@ -31,6 +31,12 @@ def main() -> None:
     parser.add_argument(
         "--lora", action="store_true", help="train a LoRA adapter (r=8 on q_proj, v_proj and lm_head)"
     )
+    parser.add_argument(
+        "--rollout_logprobs",
+        choices=("auto", "generation"),
+        default="auto",
+        help="'generation': vLLM's log-probs as the rollout's (no policy forward pass)",
+    )
     cli = parse_onpolicy_args(parser)
     kit = get_kit()
     peft_config = None
@@ -42,7 +48,7 @@ def main() -> None:
         peft_config = LoraConfig(
             r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0
         )
-    fields = {**onpolicy_config_kwargs(cli), "use_vllm": True}
+    fields = {**onpolicy_config_kwargs(cli), "use_vllm": True, "rollout_logprobs": cli.rollout_logprobs}
     config = RLOOConfig(**fields, rloo_k=4) if cli.trainer == "rloo" else PPOConfig(**fields)
     trainer_cls = RLOOTrainer if cli.trainer == "rloo" else PPOTrainer
     trainer = trainer_cls(
@@ -62,8 +68,14 @@ def main() -> None:
             "scores": "objective/scores",
             "kl": "objective/kl",
             "logp_diff_max": "sampling/sampling_logp_difference/max",
-            "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
             "weight_sync": "timing/weight_sync",
+            "policy_seconds": "timing/policy",
+            # no separate importance weights where vLLM's log-probs are the rollout's
+            **(
+                {"is_ratio_mean": "sampling/importance_sampling_ratio/mean"}
+                if not trainer.vllm_logprobs_are_old
+                else {}
+            ),
         },
     )
     result["syncs"] = trainer.generation_backend.syncs
