@@ -25,6 +25,8 @@ POLICY = "llama-hd32-sft"
 #: LoRA on attention and on the lm head, which the kit model ties to its input embedding.
 LORA_TARGETS = ["q_proj", "v_proj", "lm_head"]
 LEARN = {k: v for k, v in RLOO_LEARN.items() if k != "rloo_k"}  # the kit-learning settings, both trainers
+#: A learning run: 25 updates on 512 training prompts, evaluated on 96 held-out ones.
+LEARNING_RUN = {"train_n": 512, "eval_n": 96, "max_steps": 25, **LEARN}
 
 
 def _config(cls, tmp_path, **overrides):
@@ -224,7 +226,7 @@ def _learns(trainer, min_gain):
 
 
 def test_rloo_learns_with_a_reward_function(kit, tmp_path):
-    trainer = _trainer(kit, tmp_path, train_n=512, eval_n=96, max_steps=25, rloo_k=4, **LEARN)
+    trainer = _trainer(kit, tmp_path, rloo_k=4, **LEARNING_RUN)
     _learns(trainer, 0.5)
 
 
@@ -234,16 +236,7 @@ def test_vllms_logprobs_as_the_old_ones_spare_the_policy_pass_and_training_learn
     taken against vLLM's distribution); the mismatch metrics come from the first mini-batch's training
     pass, small in fp32; PPO (with its value model) learns. (RLOO in this mode: the 2-rank DDP launch
     below.)"""
-    trainer = _trainer(
-        kit,
-        tmp_path,
-        PPOTrainer,
-        train_n=512,
-        eval_n=96,
-        max_steps=25,
-        rollout_logprobs="generation",
-        **LEARN,
-    )
+    trainer = _trainer(kit, tmp_path, PPOTrainer, rollout_logprobs="generation", **LEARNING_RUN)
     assert trainer.vllm_logprobs_are_old
     calls = []
     hook = trainer.policy.register_forward_hook(lambda *_: calls.append(1))
@@ -304,16 +297,7 @@ def test_grpo_learns_with_vllm(kit, tmp_path):
 
 
 def test_ppo_learns_with_a_reward_model(kit, tmp_path, reward_model_dir):
-    trainer = _trainer(
-        kit,
-        tmp_path,
-        PPOTrainer,
-        train_n=512,
-        eval_n=96,
-        max_steps=25,
-        reward_model=str(reward_model_dir),
-        **LEARN,
-    )
+    trainer = _trainer(kit, tmp_path, PPOTrainer, reward_model=str(reward_model_dir), **LEARNING_RUN)
     rm_before = trainer.evaluate()["eval_objective/scores/reward_model"]
     _learns(trainer, 0.5)
     assert trainer.evaluate()["eval_objective/scores/reward_model"] > rm_before
@@ -326,9 +310,7 @@ def test_ppo_learns_with_lora(kit, tmp_path):
     from peft import LoraConfig
 
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    trainer = _trainer(
-        kit, tmp_path, PPOTrainer, train_n=512, eval_n=96, max_steps=25, peft_config=peft_config, **LEARN
-    )
+    trainer = _trainer(kit, tmp_path, PPOTrainer, peft_config=peft_config, **LEARNING_RUN)
     _learns(trainer, 0.5)
 
 
