@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from flops import measure_matmul  # benchmarks/ is on sys.path
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -68,7 +68,7 @@ def linear_seconds(weights: list[torch.Tensor], rows: int, repeats: int, backwar
                 grads[i] @ w
                 grads[i].t() @ inputs[i]
 
-    return _median_seconds(one_pass, repeats)
+    return median_seconds(one_pass, repeats)
 
 
 def main() -> None:
@@ -113,8 +113,8 @@ def main() -> None:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     adamw = torch.optim.AdamW(params, lr=1e-6, fused=True)
-    optimizer_step = _median_seconds(adamw.step, args.repeats)
-    clip = _median_seconds(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), args.repeats)
+    optimizer_step = median_seconds(adamw.step, args.repeats)
+    clip = median_seconds(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), args.repeats)
     optimizer = args.optimizer_steps * (optimizer_step + clip)
 
     floor = generation + reward + training + optimizer

@@ -196,21 +196,44 @@ def segment_attention(
         else:  # torch < 2.5: the key/value heads repeated for their query heads
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
-    # split (not slices): its backward writes each sequence's gradient into one buffer (a cat), where a
-    # slice's backward zero-fills a whole-row buffer per sequence.
-    outputs = [
-        torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=p, is_causal=True, scale=scaling, **gqa
-        ).transpose(1, 2)
-        for q, k, v in zip(
-            query.split(segments, dim=2),
-            key.split(segments, dim=2),
-            value.split(segments, dim=2),
-            strict=True,
-        )
-    ]
+    half = _cpu_half_dtype(query)
+    with contextlib.ExitStack() as stack:
+        if half is not None:
+            # CPU in bf16/fp16: attention in float32, the output back in the half dtype
+            # (:func:`_cpu_half_dtype` says why).
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            query, key, value = query.float(), key.float(), value.float()
+        # split (not slices): its backward writes each sequence's gradient into one buffer (a cat), where
+        # a slice's backward zero-fills a whole-row buffer per sequence.
+        outputs = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, scale=scaling, **gqa
+            ).transpose(1, 2)
+            for q, k, v in zip(
+                query.split(segments, dim=2),
+                key.split(segments, dim=2),
+                value.split(segments, dim=2),
+                strict=True,
+            )
+        ]
     # (1, N, H, D), contiguous: one copy of the outputs instead of a cat and a transposed copy
-    return (outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+    out = outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return (out if half is None else out.to(half)), None
+
+
+def _cpu_half_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half dtype (bf16/fp16) a CPU pass computes in (autocast's or the query's), else None.
+
+    :func:`segment_attention` runs such passes' attention in float32: PyTorch's CPU attention kernel in
+    bf16 is ~1.5x faster than in float32 forward only but ~2.6x slower forward + backward (SmolLM2-135M's
+    9 heads of 64 on 16 sequences of 10-110 tokens, one thread, torch 2.13; ``benchmarks/cpu_attention.py``),
+    and one kernel for the rollout's and the training's passes keeps their log-probs equal (the policy
+    ratio at the first mini-batch). Attention is a small share of the FLOPs, and float32 only adds
+    precision (the bf16 kernel also accumulates in float32)."""
+    if query.device.type != "cpu":
+        return None
+    dtype = _compute_dtype(query)
+    return dtype if dtype in _HALF else None
 
 
 _HALF = (torch.float16, torch.bfloat16)

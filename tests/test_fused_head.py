@@ -61,6 +61,37 @@ def test_fused_head_gradients_with_several_row_chunks_and_with_no_rows():
     assert torch.equal(w.grad, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_head_under_bf16_autocast_is_autocasts_lm_head_in_both_passes(with_bias):
+    """Under CPU bf16 autocast with float32 parameters (``bf16=True``), the fused head's products are
+    autocast's: the lm head in bf16 forward and backward, the gradients stored in float32. Its values and
+    gradients match the unfused head under autocast (a bf16 linear, the log-softmax in float32) to bf16
+    accuracy, and the weight's and bias's gradients come back in float32."""
+    torch.manual_seed(3)
+    N, H, V = 23, 32, 300
+    h = torch.randn(N, H, requires_grad=True)
+    w = (0.2 * torch.randn(V, H)).requires_grad_()
+    b = torch.randn(V, requires_grad=True) if with_bias else None
+    tok = torch.randint(0, V, (N,))
+    g = torch.randn(N)
+    inputs = [h, w] + ([b] if b is not None else [])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = F.logprobs_and_entropy_from_hidden(
+            h, w, tok, 0.7, bias=b, row_chunk_size=10, vocab_chunk_size=64, compute_dtype=torch.float32
+        )
+        logits = torch.nn.functional.linear(h, w, b)
+    assert logits.dtype == torch.bfloat16 and lp.dtype == torch.float32
+    lp_ref, ent_ref = F.logprobs_and_entropy_from_logits(logits, tok, 0.7, compute_dtype=torch.float32)
+    # the same bf16 logits: the values agree to float32 rounding of the softmax
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-4)
+    grads = torch.autograd.grad((lp * g).sum(), inputs)
+    grads_ref = torch.autograd.grad((lp_ref * g).sum(), inputs)
+    for got, want in zip(grads, grads_ref, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_fused_head_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="same H"):
         F.logprobs_and_entropy_from_hidden(

@@ -262,6 +262,33 @@ def test_varlen_kernel_speaks_both_torch_spellings_of_causal_gqa_and_scale(monke
         torch.testing.assert_close(seen["q"], q * 0.5 * 8**0.5)
 
 
+@pytest.mark.parametrize("autocast", [True, False])
+def test_segment_attention_on_cpu_in_bf16_computes_in_float32(monkeypatch, autocast):
+    """On a CPU in bf16 (autocast's, or bf16 inputs), each sequence's attention runs in float32 (PyTorch's
+    CPU kernel is ~2.6x slower forward + backward in bf16: benchmarks/cpu_attention.py) and the output
+    comes back in bf16: the float32 reference rounded once, gradients flowing to the inputs."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    torch.manual_seed(0)
+    segments = (3, 1, 5)
+    leaves = [torch.randn(1, 6, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)]
+    leaves = [t.bfloat16().requires_grad_() for t in leaves]
+    with one_row_attention([], segments), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out, _ = segment_attention(torch.nn.Module(), *leaves, None, scaling=0.3)
+    assert seen == [(torch.float32,) * 3 + (False,)] * len(segments)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 9, 6, 8)
+    want = _per_sequence_reference(*(t.detach().float() for t in leaves), segments, 0.3)
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=8e-3)  # one bf16 rounding
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in leaves)
+
+
 def test_varlen_applies_only_on_a_gpu_in_half_precision():
     q = torch.randn(1, 2, 4, 8)
     assert not packing_module._varlen_applies(q)  # CPU

@@ -586,6 +586,20 @@ def test_dropout_is_disabled_and_ratio_starts_at_one(kit, tmp_path):
     assert logged["policy/ratio_at_start"] < 1e-4
 
 
+def test_bf16_on_cpu_keeps_the_ratio_at_one_and_trains(kit, tmp_path):
+    """bf16 autocast on CPU: the rollout's recomputed log-probs and the training pass run the same bf16
+    arithmetic (packed attention in float32 in both, the fused head's products in bf16 in both), so the
+    ratio at the first mini-batch is exactly 1; the update is finite and moves the weights."""
+    trainer = _trainer(kit, tmp_path, bf16=True, max_steps=2, logging_steps=1, num_mini_batches=2)
+    before = _digest(trainer.policy)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "policy/ratio_at_start" in h]
+    assert len(logged) == 2 and all(h["policy/ratio_at_start"] == 0 for h in logged)
+    assert all(math.isfinite(h["loss/policy_avg"]) for h in logged)
+    after = _digest(trainer.policy)
+    assert after.dtype == torch.float32 and not torch.equal(before, after)
+
+
 def test_ratio_guard_warns_when_rollout_and_training_disagree(kit, tmp_path, caplog):
     trainer = _trainer(kit, tmp_path, model="gpt2", disable_dropout=False, max_steps=1, logging_steps=1)
     with caplog.at_level("WARNING"):

@@ -289,16 +289,23 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         out = torch.empty(N, dtype=dtype, device=hidden.device)
         lse = torch.empty(N, dtype=dtype, device=hidden.device)
         entropy = torch.empty(N if with_entropy else 0, dtype=dtype, device=hidden.device)
+        device_type = hidden.device.type
+        autocast = (
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
+        h_mm, w_mm, b_mm = _matmul_operands(hidden, weight, bias, autocast)
         for r0 in range(0, N, row_chunk):
             r1 = min(r0 + row_chunk, N)
-            h, token_ids = hidden[r0:r1], tokens[r0:r1]
+            h, token_ids = h_mm[r0:r1], tokens[r0:r1]
             m = torch.full((r1 - r0,), -math.inf, dtype=dtype, device=hidden.device)
             s = torch.zeros_like(m)
             t = torch.zeros_like(m)
             target = torch.zeros_like(m)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
-                z = _hidden_tile(h, weight, bias, v0, v1, dtype, temperature)
+                z = _hidden_tile(h, w_mm, b_mm, v0, v1, dtype, temperature)
                 m_new = torch.maximum(m, z.amax(dim=-1))
                 scale = torch.exp(m - m_new)
                 e = torch.exp(z - m_new.unsqueeze(-1))
@@ -319,12 +326,7 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output (the entropy, usually) gets None, not zeros
         # The backward pass rebuilds the tiles under the forward's autocast state (bf16 autocast: the
         # same bf16 matmul), so the recomputed softmax is the one the log-probs came from.
-        device_type = hidden.device.type
-        ctx.autocast = (
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-        )
+        ctx.autocast = autocast
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return out, entropy
@@ -337,6 +339,10 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         temperature, row_chunk, vocab_chunk = ctx.temperature, ctx.row_chunk, ctx.vocab_chunk
         device_type, autocast_on, autocast_dtype = ctx.autocast
+        h_mm, w_mm, b_mm = _matmul_operands(hidden, weight, bias, ctx.autocast)
+        # Under autocast the matmuls run in its dtype on operands cast once per pass (as autocast's
+        # lm-head backward would: half-precision products, gradients stored in the parameters' dtype).
+        cast = w_mm is not weight
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         N, V = hidden.shape[0], weight.shape[0]
         grad_h = torch.zeros_like(hidden) if need_h else None
@@ -348,15 +354,15 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         gh_all = grad_entropy.to(lse.dtype) if grad_entropy is not None else None
         for r0 in range(0, N, row_chunk):
             r1 = min(r0 + row_chunk, N)
-            h, token_ids, g = hidden[r0:r1], tokens[r0:r1], g_all[r0:r1].unsqueeze(-1)
+            h, token_ids, g = h_mm[r0:r1], tokens[r0:r1], g_all[r0:r1].unsqueeze(-1)
             row_lse = lse[r0:r1].unsqueeze(-1)
             if gh_all is not None:
                 # d(g_H * H)/dz = -g_H * p * (log p + H) / T, with the row's entropy H of the forward pass
                 gh, row_h = gh_all[r0:r1].unsqueeze(-1), entropy[r0:r1].unsqueeze(-1).to(lse.dtype)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
-                with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-                    z = _hidden_tile(h, weight, bias, v0, v1, lse.dtype, temperature)
+                with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on and not cast):
+                    z = _hidden_tile(h, w_mm, b_mm, v0, v1, lse.dtype, temperature)
                 inside = (token_ids >= v0) & (token_ids < v1)
                 local = (token_ids - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
                 hits = g * inside.unsqueeze(-1).to(g.dtype)
@@ -369,17 +375,47 @@ class _HiddenTokenLogprob(torch.autograd.Function):
                     dz.scatter_add_(-1, local, hits)
                     if temperature != 1.0:
                         dz.div_(temperature)
-                dz = dz.to(weight.dtype)
-                if grad_h is not None:
-                    grad_h[r0:r1].addmm_(dz, weight[v0:v1])
-                if grad_w is not None:
-                    if r0 == 0:
-                        torch.mm(dz.t(), h, out=grad_w[v0:v1])
-                    else:
-                        grad_w[v0:v1].addmm_(dz.t(), h)
+                if cast:
+                    dz_mm = dz.to(w_mm.dtype)
+                    if grad_h is not None:
+                        grad_h[r0:r1] += dz_mm @ w_mm[v0:v1]
+                    if grad_w is not None:
+                        if r0 == 0:
+                            grad_w[v0:v1] = dz_mm.t() @ h
+                        else:
+                            grad_w[v0:v1] += dz_mm.t() @ h
+                else:
+                    dz = dz.to(weight.dtype)
+                    if grad_h is not None:
+                        grad_h[r0:r1].addmm_(dz, weight[v0:v1])
+                    if grad_w is not None:
+                        if r0 == 0:
+                            torch.mm(dz.t(), h, out=grad_w[v0:v1])
+                        else:
+                            grad_w[v0:v1].addmm_(dz.t(), h)
                 if grad_b is not None:
-                    grad_b[v0:v1] += dz.sum(0)
+                    grad_b[v0:v1] += dz.sum(0).to(grad_b.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _matmul_operands(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, autocast: tuple[str, bool, torch.dtype]
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The lm-head matmuls' operands: under autocast to a dtype other than the weight's, ``hidden``,
+    ``weight`` and ``bias`` cast to it once (contiguous), which is what autocast would cast every tile's
+    ``weight[v0:v1].T`` to, one strided copy per tile, in the forward pass and again in the backward
+    pass (on CPU in bf16 such casts took ~0.7 s of a SmolLM2-135M PPO update's 25 s of training);
+    otherwise the tensors themselves. The copy of the weight lives for one pass (V x H half-precision
+    values: 57 MB at SmolLM2's 49K x 576 head; an unfused head under autocast casts the same)."""
+    device_type, enabled, dtype = autocast
+    if not enabled or weight.dtype == dtype or not weight.is_floating_point():
+        return hidden, weight, bias
+    with torch.autocast(device_type, enabled=False):
+        return (
+            hidden.to(dtype),
+            weight.to(dtype, memory_format=torch.contiguous_format),
+            None if bias is None else bias.to(dtype),
+        )
 
 
 def _hidden_tile(
