@@ -1,6 +1,7 @@
 """Speed switches for one kind of machine (CPU), kept apart from the algorithm code behind one boundary.
 
-Four switches of the on-policy configs live here, and nothing outside this module names them:
+Four switches of the on-policy configs live here, and nothing outside this module names them (plus one
+cache without a switch, :class:`AutocastWeightCache`, below):
 
 - ``lean_decoding``: :class:`LeanLlamaSteps`, faster decoding steps for Llama-architecture policies that
   the builtin sampling loop takes as its optional "fast steps" provider.
@@ -71,6 +72,18 @@ module replaced, no weight copied), and leaving the context restores plain PyTor
 float32 in both libraries (oneDNN's default ``strict`` math mode); results differ from MKL's by the
 rounding of another summation order (about 1e-6 relative).
 
+**Frozen weights cast once per sampling call under CPU autocast** (:class:`AutocastWeightCache`, no
+switch: the results are autocast's, bit for bit). Autocast keeps the half-precision copy of a weight for
+the rest of its region only for leaf tensors that require a gradient; a frozen weight (the base model
+under a LoRA adapter, a frozen lm head) is cast again at every call, so under ``bf16=True`` the sampling
+loop cast every frozen weight once per decoding step (SmolLM2-135M with a LoRA adapter on every linear
+layer, 32 completions x 32 tokens, one thread: 12.1-13.8 s per sampling call, 9.0-9.8 s with the cache,
+the same tokens). Inside a sampling
+call on CPU under autocast, the context casts each frozen float32 weight (and bias) of an ``F.linear`` to
+autocast's dtype once and hands the copy to every later call; autocast then has nothing left to cast. The
+copies (half the size of the frozen float32 weights) live for the sampling call only. GPUs are left to
+autocast (a copy of a large frozen model there would cost memory the user did not plan for).
+
 **Host memory** (``reuse_host_memory``, off by default): see :func:`reuse_freed_host_memory`. Measured
 gain: a 135M-parameter PPO update on 2 CPU threads took 20.5 s with it and 25.6 s without.
 """
@@ -91,6 +104,7 @@ from torch.overrides import TorchFunctionMode
 from .compat import sdpa_has_gqa
 
 __all__ = [
+    "AutocastWeightCache",
     "DecodingSpeedups",
     "LeanLlamaSteps",
     "OneDNNLinear",
@@ -117,7 +131,8 @@ class DecodingSpeedups:
     fast_steps: Callable[[nn.Module, Any, Tensor, int], LeanLlamaSteps | None] | None = None
     #: What ``fast_steps`` is called in the batch accounting ("" when None).
     fast_steps_name: str = ""
-    #: A factory of the context every generation call runs in (:class:`OneDNNLinear`), or None.
+    #: A factory of the context every generation call runs in (:class:`OneDNNLinear`,
+    #: :class:`AutocastWeightCache`), or None.
     context: Callable[[], Any] | None = None
     #: What ``context`` is called in the batch accounting ("" when None).
     context_name: str = ""
@@ -147,7 +162,15 @@ def decoding_speedups(
             speedups.update(fast_steps=lean_llama_steps, fast_steps_name="lean Llama steps")
     if onednn:
         speedups.update(context=OneDNNLinear, context_name="oneDNN linear")
+    elif _half_autocast_cpu_run(config, device=device, deepspeed=deepspeed):
+        speedups.update(context=AutocastWeightCache, context_name="frozen weights cast once per call")
     return DecodingSpeedups(**speedups)
+
+
+def _half_autocast_cpu_run(config: Any, *, device: torch.device, deepspeed: bool) -> bool:
+    """CPU, no DeepSpeed, bf16/fp16 autocast (:class:`AutocastWeightCache`)."""
+    half = bool(getattr(config, "bf16", False) or getattr(config, "fp16", False))
+    return device.type == "cpu" and not deepspeed and half
 
 
 def _float32_cpu_run(model: nn.Module, config: Any, *, device: torch.device, deepspeed: bool) -> bool:
@@ -459,6 +482,47 @@ class OneDNNLinear(TorchFunctionMode):
             if _eligible(x, weight, bias):
                 flat = x.reshape(-1, x.shape[-1]).contiguous()
                 return _op(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+def _frozen_float32(t: Any) -> bool:
+    return (
+        type(t) in (Tensor, nn.Parameter)
+        and t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and not t.requires_grad
+    )
+
+
+class AutocastWeightCache(TorchFunctionMode):
+    """Inside this context (one sampling call), under CPU autocast, an ``F.linear`` whose weight (and bias)
+    is a frozen float32 CPU tensor gets the weight cast to autocast's dtype once per context, not once per
+    call (see the module docstring); autocast then computes exactly what it would have. Everything else
+    runs as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id -> (the tensor, kept alive so that its id is not reused; its copy)
+        self._copies: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def _copy(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        held = self._copies.get(id(t))
+        if held is None or held[0] is not t or held[1].dtype != dtype:
+            held = (t, t.to(dtype))
+            self._copies[id(t)] = held
+        return held[1]
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _LINEAR and len(args) >= 2 and torch.is_autocast_enabled("cpu"):
+            weight = args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if _frozen_float32(weight) and (bias is None or _frozen_float32(bias)):
+                dtype = torch.get_autocast_dtype("cpu")
+                bias = None if bias is None else self._copy(bias, dtype)
+                return func(args[0], self._copy(weight, dtype), bias)
         return func(*args, **kwargs)
 
 

@@ -155,3 +155,38 @@ def test_it_applies_only_where_it_pays_and_is_safe(kit, tmp_path, monkeypatch):
 def test_bad_min_weights_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"onednn_linear_min_weights=-1: expected an integer >= 0"):
         RLOOConfig(output_dir=str(tmp_path), report_to="none", onednn_linear_min_weights=-1)
+
+
+# --- AutocastWeightCache: frozen weights cast once per sampling call under CPU autocast ---------------
+
+
+def test_autocast_weight_cache_gives_autocasts_results_casting_a_frozen_weight_once():
+    """Under CPU bf16 autocast a frozen float32 weight is cast once per context and the copy reused: the
+    outputs are autocast's bit for bit; a weight that requires a gradient (autocast caches those itself),
+    a call outside autocast and a non-linear op pass through untouched."""
+    torch.manual_seed(0)
+    frozen = torch.nn.Linear(16, 8).requires_grad_(False)
+    trained = torch.nn.Linear(16, 8)
+    x = torch.randn(3, 1, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [frozen(x), trained(x)]
+        cache = cpu_speedups.AutocastWeightCache()
+        with cache:
+            got = [frozen(x), trained(x), frozen(x)]
+    assert got[0].dtype == torch.bfloat16
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[0]) and torch.equal(got[1], want[1])
+    # one copy each of the frozen weight and bias, none of the trained layer's
+    assert sorted(c[0].shape for c in cache._copies.values()) == [torch.Size([8]), torch.Size([8, 16])]
+    assert all(c[1].dtype == torch.bfloat16 for c in cache._copies.values())
+    with cpu_speedups.AutocastWeightCache() as outside:
+        assert torch.equal(frozen(x), TF.linear(x, frozen.weight, frozen.bias))
+    assert not outside._copies
+
+
+def test_the_trainer_samples_through_the_cache_in_cpu_bf16_only(kit, tmp_path):
+    """A CPU run in bf16 samples inside the cache (named in the generation backend); float32 does not."""
+    bf16 = _rloo(kit, tmp_path / "bf16", bf16=True)
+    assert cpu_speedups.AutocastWeightCache in bf16.generation_backend.contexts
+    assert "frozen weights cast once per call" in bf16.generation_backend.name
+    fp32 = _rloo(kit, tmp_path / "fp32")
+    assert cpu_speedups.AutocastWeightCache not in fp32.generation_backend.contexts
