@@ -90,15 +90,18 @@ PASSES[("ours", "grpo")] = PASSES[("ours", "rloo")]
 PASSES[("trl", "grpo")] = PASSES[("trl", "rloo")]
 
 
-def measure_matmul(sizes: list[int], repeats: int = 10, warmup: int = 2) -> dict[str, Any]:
-    """Median fp32 ``torch.matmul`` FLOP/s for each size; ``best`` is the highest median."""
+def measure_matmul(
+    sizes: list[int], repeats: int = 10, warmup: int = 2, dtype: str = "float32"
+) -> dict[str, Any]:
+    """Median ``torch.matmul`` FLOP/s in ``dtype`` (``float32`` or ``bfloat16``) for each size; ``best`` is
+    the highest median."""
     import torch
 
     results = {}
     for n in sizes:
         gen = torch.Generator().manual_seed(0)
-        a = torch.randn(n, n, generator=gen)
-        b = torch.randn(n, n, generator=gen)
+        a = torch.randn(n, n, generator=gen).to(getattr(torch, dtype))
+        b = torch.randn(n, n, generator=gen).to(getattr(torch, dtype))
         for _ in range(warmup):
             torch.matmul(a, b)
         times = []
@@ -112,6 +115,7 @@ def measure_matmul(sizes: list[int], repeats: int = 10, warmup: int = 2) -> dict
     return {
         "sizes": results,
         "best_median_flops_per_s": best,
+        "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
         "loadavg": os.getloadavg(),
     }
@@ -188,13 +192,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="matrix sizes n")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--model-config", help="print the FLOP shape of this model instead")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args()
     if args.model_config:
         result: dict[str, Any] = model_shape(args.model_config)
     else:
-        result = measure_matmul(args.sizes, args.repeats)
+        result = measure_matmul(args.sizes, args.repeats, dtype=args.dtype)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -51,9 +51,12 @@ def worker(
     seed: int,
     completions: int,
     micro_batch: int = 32,
+    bf16: bool = False,
 ) -> dict[str, Any]:
     """One run in this process; its per-update timings. The update's one optimizer step accumulates
-    gradients over micro-batches of ``micro_batch`` completions."""
+    gradients over micro-batches of ``micro_batch`` completions. ``bf16``: the trainer in bf16 autocast
+    (``bf16=True``, float32 weights), so the builtin loop samples in bf16, and vLLM's engine in bf16
+    (``vllm_dtype='bfloat16'``)."""
     import torch
     from peft import LoraConfig
 
@@ -89,7 +92,10 @@ def worker(
         "use_vllm": backend.startswith("vllm"),
         "rollout_logprobs": "generation" if backend == "vllm-old" else "auto",
         "local_rollout_forward_batch_size": completions,
+        "bf16": bf16,
     }
+    if bf16 and backend.startswith("vllm"):
+        common["vllm_dtype"] = "bfloat16"
     config = RLOOConfig(rloo_k=4, **common) if trainer_name == "rloo" else PPOConfig(**common)
     trainer_cls = RLOOTrainer if trainer_name == "rloo" else PPOTrainer
     started = time.perf_counter()
@@ -118,10 +124,21 @@ def worker(
         "trainer": trainer_name,
         "backend": backend,
         "generation": trainer.generation_backend.name,
+        # whether the rollout's log-probs are the sampler's (builtin in float32, vLLM's with vllm-old) or a
+        # policy forward pass's (vLLM by default; the builtin loop in bf16)
+        "logprobs_from_generation": trainer.logprobs_from_generation,
         "build_seconds": build_seconds,
         "threads": torch.get_num_threads(),
         "updates": [{k: h[k] for k in keep if k in h} for h in rows],
     }
+
+
+def logprobs_label(run: dict[str, Any]) -> str:
+    """Where the run's rollout log-probs came from: the sampler's own (the builtin loop's, or vLLM's) or a
+    policy forward pass (vLLM by default, and the builtin loop in bf16)."""
+    if not run.get("logprobs_from_generation", run["backend"] != "vllm"):
+        return LOGPROBS["vllm"]
+    return LOGPROBS["vllm-old" if run["backend"] == "vllm-old" else "builtin"]
 
 
 def summarize(run: dict[str, Any]) -> dict[str, float]:
@@ -162,6 +179,11 @@ def main() -> None:
         help="completions per training micro-batch (gradient accumulation over the update's completions)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 autocast (the builtin loop samples in bf16) and vLLM's engine in bf16",
+    )
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -183,6 +205,7 @@ def main() -> None:
             args.seed,
             args.completions,
             args.micro_batch,
+            args.bf16,
         )
         print("RESULT " + json.dumps(result))
         return
@@ -203,6 +226,7 @@ def main() -> None:
             command = [python, __file__, "--worker", trainer_name, backend, "--updates", str(args.updates)]
             command += ["--response-length", str(args.response_length), "--seed", str(args.seed)]
             command += ["--completions", str(args.completions), "--micro-batch", str(args.micro_batch)]
+            command += ["--bf16"] if args.bf16 else []
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not lines:
@@ -240,6 +264,7 @@ def main() -> None:
     suffix = f"_{args.completions}x{args.response_length}" + (
         f"_{args.threads}thread" if args.threads else ""
     )
+    suffix += "_bf16" if args.bf16 else ""
     path = args.out / f"vllm_generation_{device}{suffix}.json"
     path.write_text(json.dumps(result, indent=1))
     lines = [
@@ -252,7 +277,7 @@ def main() -> None:
         sync = f"{s['weight_sync_s']:.2f}" if s["weight_sync_s"] is not None else "-"
         diff = f"{s['logp_diff_max']:.1e}" if s["logp_diff_max"] is not None else "-"
         lines.append(
-            f"| {run['trainer'].upper()} | {run['generation']} | {LOGPROBS[run['backend']]} | "
+            f"| {run['trainer'].upper()} | {run['generation']} | {logprobs_label(run)} | "
             f"{s['generate_s']:.2f} | {s['sampling_s']:.2f} | {s['policy_s'] or 0:.2f} | {s['step_s']:.2f} | {s['episodes_per_s']:.2f} | "
             f"{sync} | {diff} |"
         )

@@ -51,7 +51,8 @@ Each run records every completion's real prompt and response tokens per update (
 Figures per run: seconds per update (median, first update excluded), episodes/s, tokens/s (real prompt +
 response tokens of an update / its seconds, verl's definition), peak RSS and what makes it up, seconds
 per phase (generate, policy, ref, values, reward, update = the rest), model FLOPs per update and their
-rate as a fraction of the measured fp32 matmul rate (``flops.py``). ``os.getloadavg()`` is recorded at
+rate as a fraction of the measured fp32 matmul rate (``flops.py``; with ``--bf16``, both sides in bf16
+autocast, of the bf16 rate). ``os.getloadavg()`` is recorded at
 the start and end of every run.
 
     bash benchmarks/setup_trl.sh
@@ -268,8 +269,11 @@ def run_worker(python: str, spec: dict[str, Any], log_dir: Path, name: str) -> d
     return result
 
 
-def matmul_in_subprocess(sizes: list[int], repeats: int, threads: int = 0) -> dict[str, Any]:
+def matmul_in_subprocess(
+    sizes: list[int], repeats: int, threads: int = 0, dtype: str = "float32"
+) -> dict[str, Any]:
     cmd = [sys.executable, str(HERE / "flops.py"), "--sizes", *map(str, sizes), "--repeats", str(repeats)]
+    cmd += ["--dtype", dtype]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(proc.stdout)
@@ -571,13 +575,16 @@ def settings_text(report: dict[str, Any]) -> str:
         for r in report["results"]
     ]
     rates = ", ".join(f"{x / 1e9:.1f}" for x in dict.fromkeys(round(u, -6) for u in used))
+    bf16 = s.get("bf16", False)
+    precision = "bf16 autocast (weights, gradients and optimizer states in fp32)" if bf16 else "fp32"
+    rate_dtype = "bf16" if bf16 else "fp32"
     return (
         f"{report['machine']}, torch {report['torch']}, transformers {report['transformers']}, "
         f"TRL {', '.join(report['trl_versions'])}; {s['batch']} completions per update ({'; '.join(per_algo)}), "
         f"response_length {s['response_length']} "
         f"({'fixed' if s.get('fixed_length', True) else 'at most; responses stop at EOS'}), num_ppo_epochs {s['epochs']}, num_mini_batches {s['mini_batches']} (micro-batch "
-        f"{s['batch'] // s['mini_batches']}), fp32, no gradient checkpointing, reward model; updates per run: "
-        f"{report['updates']}; fp32 matmul rate measured before each invocation: {rates} GFLOP/s "
+        f"{s['batch'] // s['mini_batches']}), {precision}, no gradient checkpointing, reward model; updates per "
+        f"run: {report['updates']}; {rate_dtype} matmul rate measured before each invocation: {rates} GFLOP/s "
         f"(median of torch.matmul, n in {list(report['matmul']['sizes'])}; each row's % uses its own); torch "
         "threads per worker: "
         f"{sorted({r['torch_threads'] for r in report['results']})}."
@@ -649,6 +656,12 @@ def main() -> None:
         default="generate",
         help="GRPO: TRL's generation backend (transformers.generate, TRL's default, or transformers' "
         "continuous batching, use_transformers_continuous_batching=True)",
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both sides in bf16 autocast (TrainingArguments.bf16=True; weights and optimizer in fp32); the "
+        "FLOP rates are then fractions of the bf16 matmul rate",
     )
     parser.add_argument("--learning-rate", type=float, default=1e-6)
     parser.add_argument("--kl-coef", type=float, default=0.05)
@@ -731,8 +744,10 @@ def main() -> None:
     }
     varlen_counts = tuple(sorted({prompts_per_update[a] for a in algos})) if args.stop_at_eos else ()
     info = prepare_in_subprocess(work, sizes, args.gguf, varlen_counts)
-    matmul_start = matmul_in_subprocess(args.matmul_sizes, 10, args.threads)
-    print(f"fp32 matmul: {matmul_start['best_median_flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
+    # The FLOP rates' basis: the matmul rate in the precision the runs compute in.
+    rate_dtype = "bfloat16" if args.bf16 else "float32"
+    matmul_start = matmul_in_subprocess(args.matmul_sizes, 10, args.threads, rate_dtype)
+    print(f"{rate_dtype} matmul: {matmul_start['best_median_flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
     task_py = str(ROOT / "rlhf_trainers" / "testing" / "task.py")
     results = []
     for size, n_updates in zip(sizes, updates, strict=True):
@@ -756,6 +771,7 @@ def main() -> None:
             "eval_every": 0,
             "threads": args.threads,
             "ours_config": json.loads(args.ours_config),
+            "bf16": args.bf16,
         }
         for algo in algos:
             for rep in range(args.first_repeat, args.first_repeat + args.repeats):
@@ -783,7 +799,7 @@ def main() -> None:
                         f"load {r['loadavg_start'][0]:.1f}->{r['loadavg_end'][0]:.1f}",
                         flush=True,
                     )
-    matmul_end = matmul_in_subprocess(args.matmul_sizes, 10, args.threads)
+    matmul_end = matmul_in_subprocess(args.matmul_sizes, 10, args.threads, rate_dtype)
 
     import torch
     import transformers

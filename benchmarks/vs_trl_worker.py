@@ -332,7 +332,7 @@ def build_trainer(
     ``settings``: ``batch`` (completions per update), ``mini_batches``, ``epochs``, ``response_length``,
     ``fixed_length`` (responses ignore EOS), ``rloo_k``, ``learning_rate``, ``kl_coef``, ``temperature``,
     ``updates``, ``seed``; GRPO: ``num_generations``, ``beta``, ``loss_type`` (and for TRL's side
-    ``trl_generation``), with ``mini_batches`` = ``steps_per_generation`` and ``epochs`` = ``num_iterations``. Every trainer gets: fp32 (``bf16=False``), no gradient checkpointing, CPU, no
+    ``trl_generation``), with ``mini_batches`` = ``steps_per_generation`` and ``epochs`` = ``num_iterations``. Every trainer gets: fp32 (``bf16``: ``settings.bf16``, default False), no gradient checkpointing, CPU, no
     checkpoints, no evaluation, no sample generations, logging every update, one rollout forward batch
     of ``batch`` rows, one micro-batch per mini-batch (``batch / mini_batches`` completions)."""
     from datasets import Dataset
@@ -350,7 +350,7 @@ def build_trainer(
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=s.get("bf16", False),
         disable_tqdm=True,
         seed=s["seed"],
     )
