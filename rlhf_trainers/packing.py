@@ -225,7 +225,7 @@ def _cpu_half_dtype(query: torch.Tensor) -> torch.dtype | None:
     """The half dtype (bf16/fp16) a CPU pass computes in (autocast's or the query's), else None.
 
     :func:`segment_attention` runs such passes' attention in float32: PyTorch's CPU attention kernel in
-    bf16 is ~1.5x faster than in float32 forward only but ~2.6x slower forward + backward (SmolLM2-135M's
+    bf16 is ~1.5x faster than in float32 forward only but ~2.7x slower forward + backward (SmolLM2-135M's
     9 heads of 64 on 16 sequences of 10-110 tokens, one thread, torch 2.13; ``benchmarks/cpu_attention.py``),
     and one kernel for the rollout's and the training's passes keeps their log-probs equal (the policy
     ratio at the first mini-batch). Attention is a small share of the FLOPs, and float32 only adds

@@ -265,7 +265,7 @@ def test_varlen_kernel_speaks_both_torch_spellings_of_causal_gqa_and_scale(monke
 @pytest.mark.parametrize("autocast", [True, False])
 def test_segment_attention_on_cpu_in_bf16_computes_in_float32(monkeypatch, autocast):
     """On a CPU in bf16 (autocast's, or bf16 inputs), each sequence's attention runs in float32 (PyTorch's
-    CPU kernel is ~2.6x slower forward + backward in bf16: benchmarks/cpu_attention.py) and the output
+    CPU kernel is ~2.7x slower forward + backward in bf16: benchmarks/cpu_attention.py) and the output
     comes back in bf16: the float32 reference rounded once, gradients flowing to the inputs."""
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
