@@ -486,12 +486,7 @@ class OneDNNLinear(TorchFunctionMode):
 
 
 def _frozen_float32(t: Any) -> bool:
-    return (
-        type(t) in (Tensor, nn.Parameter)
-        and t.device.type == "cpu"
-        and t.dtype == torch.float32
-        and not t.requires_grad
-    )
+    return _plain(t) and not t.requires_grad
 
 
 class AutocastWeightCache(TorchFunctionMode):
