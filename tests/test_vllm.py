@@ -107,12 +107,21 @@ def test_weight_sync_makes_vllm_score_like_the_updated_policy(kit, tmp_path):
     assert trainer.state.log_history[0]["timing/weight_sync"] >= 0
 
 
-def test_lora_adapter_is_merged_into_the_engine(kit, tmp_path):
-    """The adapter reaches the engine merged into the base weights, the one on the tied lm head too (the
-    engine is built with an untied head for it): after an update vLLM scores like the trainer."""
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        {"target_modules": LORA_TARGETS},
+        {"target_modules": ["q_proj", "o_proj", "embed_tokens"], "use_dora": True},
+    ],
+    ids=["lora-tied-head", "dora-tied-embedding"],
+)
+def test_lora_adapter_is_merged_into_the_engine(kit, tmp_path, adapter):
+    """The adapter reaches the engine merged into the base weights, the one on the tied lm head or input
+    embedding too (the engine is built untied for it), DoRA's magnitudes included: after an update vLLM
+    scores like the trainer."""
     from peft import LoraConfig
 
-    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    peft_config = LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM", **adapter)
     trainer = _trainer(kit, tmp_path, learning_rate=5e-2, max_steps=1, peft_config=peft_config)
     tok = kit.load_tokenizer()
     prompt = tok("my day was", add_special_tokens=False)["input_ids"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..distributed import gathered
 
-__all__ = ["inference_weights", "untied_by_adapters"]
+__all__ = ["AdapterNotMergeableError", "inference_weights", "merged_adapter_weights", "untied_by_adapters"]
 
 
 def _lora_layer_types() -> tuple[type, ...]:
@@ -47,16 +47,60 @@ def _checkpoint_root(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _merged_lora_weight(layer: nn.Module) -> torch.Tensor:
-    """``layer.base_layer.weight`` plus the delta of every active, unmerged adapter (a new tensor)."""
+class AdapterNotMergeableError(ValueError):
+    """A LoRA adapter whose effect cannot be written into the layer's weights (e.g. PEFT's aLoRA, whose
+    adapter acts only after its invocation tokens, or an Arrow router)."""
+
+
+@torch.no_grad()
+def merged_adapter_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias that ``layer`` (a PEFT LoRA layer) computes with: its base layer's weight with
+    every active, unmerged adapter merged in, as PEFT's ``merge(safe_merge=True)`` would write it, into new
+    tensors (the layer and its base weight are left as they are).
+
+    Covers vanilla LoRA (rsLoRA's scaling included: it is in the layer's ``scaling``), LoRA on an
+    embedding (``lora_embedding_A``/``B``), LoRA variants that PEFT can merge (DoRA: the magnitude
+    rescaling; PEFT's ``lora_variant`` registry) and ``lora_bias`` (the bias is then returned merged; else
+    a copy of the base bias, or None). Raises :class:`AdapterNotMergeableError` for an adapter PEFT cannot
+    merge (aLoRA, Arrow routers, ...), with PEFT's reason.
+    """
     base = layer.get_base_layer()
     weight = base.weight.detach().clone()
+    bias = getattr(base, "bias", None)
+    bias = bias.detach().clone() if isinstance(bias, torch.Tensor) else None
     if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
-        return weight  # adapters off, or already merged into the base weight
+        return weight, bias  # adapters off, or already merged into the base weights
+    variants = getattr(layer, "lora_variant", {})
     for adapter in layer.active_adapters:
-        if adapter in getattr(layer, "lora_A", {}):
+        if adapter not in getattr(layer, "lora_A", {}) and adapter not in getattr(
+            layer, "lora_embedding_A", {}
+        ):
+            continue  # no adapter of that name on this layer
+        variant = variants.get(adapter)
+        if variant is not None:
+            try:
+                weight = variant.merge_safe(layer, adapter, weight)
+            except (NotImplementedError, RuntimeError) as err:
+                raise AdapterNotMergeableError(
+                    f"the LoRA adapter {adapter!r} ({type(variant).__name__}) cannot be merged into the weights of "
+                    f"its {type(base).__name__} layer: {str(err).rstrip('.')}"
+                ) from err
+        elif getattr(layer, "use_dora", {}).get(adapter, False):  # a PEFT without the variant registry
+            raise AdapterNotMergeableError(
+                f"the DoRA adapter {adapter!r} cannot be merged with this PEFT version ({_peft_version()}); "
+                "install peft>=0.15"
+            )
+        else:
             weight += layer.get_delta_weight(adapter).to(weight.dtype)
-    return weight
+        if getattr(layer, "lora_bias", {}).get(adapter, False):
+            lora_b_bias = layer.lora_B[adapter].bias.detach() * layer.scaling[adapter]
+            bias = (lora_b_bias if bias is None else bias + lora_b_bias).to(weight.dtype)
+    return weight, bias
+
+
+def _peft_version() -> str:
+    peft = sys.modules.get("peft")
+    return getattr(peft, "__version__", "unknown")
 
 
 @torch.no_grad()
@@ -87,12 +131,22 @@ def inference_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             skip_prefixes.append(prefix)
             base = module.get_base_layer()
             with gathered(module):
+                try:
+                    weight, bias = merged_adapter_weights(module)
+                except AdapterNotMergeableError as err:
+                    raise AdapterNotMergeableError(
+                        f"{module_name}: {err}. An inference engine holds merged weights; train with an adapter "
+                        "PEFT can merge (LoRA, DoRA), or sample without the engine."
+                    ) from err
                 # Always emitted: the merged weight is the module's own even where the base weight is
-                # tied to another (an adapter on a tied lm head unties it; see untied_by_adapters).
-                yield f"{prefix}weight", _merged_lora_weight(module)
-                bias = getattr(base, "bias", None)
-                if isinstance(bias, torch.Tensor):
-                    yield from emit(f"{prefix}bias", bias.detach().clone(), bias)
+                # tied to another (an adapter on a tied embedding or lm head unties them; see
+                # untied_by_adapters).
+                yield f"{prefix}weight", weight
+                base_bias = getattr(base, "bias", None)
+                if bias is not None and isinstance(base_bias, torch.Tensor):
+                    yield from emit(f"{prefix}bias", bias, base_bias)
+                elif bias is not None:  # lora_bias on a layer without a bias of its own
+                    yield f"{prefix}bias", bias
             continue
         if wrapper_types and isinstance(module, wrapper_types):
             # PEFT's modules_to_save: the trained copy replaces the original under the original's names.
@@ -116,11 +170,15 @@ def inference_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def untied_by_adapters(model: nn.Module) -> bool:
     """Whether ``model`` ties its output embedding to its input embedding (``tie_word_embeddings``) but
-    carries a LoRA adapter on the output embedding, so that the merged lm head differs from the
-    embedding and an inference engine must hold them as two weights."""
+    carries a LoRA adapter on either of them, so that the model computes with two different matrices (the
+    adapted one merged, the other the shared base weight) and an inference engine must hold them as two
+    weights."""
     root = _checkpoint_root(model)
     if not getattr(getattr(root, "config", None), "tie_word_embeddings", False):
         return False
     lora_types = _lora_layer_types()
+    if not lora_types:
+        return False
     head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
-    return bool(lora_types) and isinstance(head, lora_types)
+    embedding = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
+    return isinstance(head, lora_types) or isinstance(embedding, lora_types)
