@@ -426,6 +426,92 @@ def test_mkl_prepacked_decoding_leaves_lora_layers_to_their_own_forward(kit, pro
     assert all(type(m) is torch.nn.Linear for m in packed)
 
 
+def _adapted_policy(kit, **lora):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        kit.load_model("llama-sft"), LoraConfig(r=4, init_lora_weights=False, lora_dropout=0.1, **lora)
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():  # adapters far enough from their start that merging them matters
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_merged_adapter_decoding_samples_what_the_adapters_forward_samples(kit, prompts, monkeypatch, dora):
+    """merged_adapter_decoding: the LoRA layers' decoding steps run on packed copies of their weights with
+    the adapters merged (DoRA's magnitudes too), and sample what the adapter's own forward samples; the
+    model is left unmerged."""
+    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked_merged
+
+    built = _prepacked_steps_built(monkeypatch)
+    model = _adapted_policy(kit, target_modules=["q_proj", "o_proj", "up_proj", "down_proj"], use_dora=dora)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    tok, ids, mask = prompts
+    runs = []
+    for provider in (lean_llama_steps_prepacked_merged, None):
+        torch.manual_seed(2)
+        settings = SamplingSettings(max_new_tokens=10, pad_token_id=tok.pad_token_id, return_logprobs=True)
+        runs.append(sample_with_kv_cache(model, ids, mask, settings, provider))
+    merged, plain = runs
+    assert torch.equal(merged.tokens, plain.tokens)
+    torch.testing.assert_close(merged.logprobs, plain.logprobs, atol=1e-4, rtol=0)
+    lora = [m for m in model.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer")]
+    steps = built[0]
+    assert lora and set(lora) <= set(steps.packed) and not steps.merged
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert not any(getattr(m, "merged", False) for m in lora)
+
+
+def test_merged_adapter_decoding_under_bf16_autocast_casts_the_merged_copies_once(kit, prompts):
+    """Under CPU bf16 autocast the merged copies are bf16 (cast once per call) and a step's product through
+    one equals the adapter's forward to bf16 rounding."""
+    from rlhf_trainers.cpu_speedups import AutocastWeightCache, LeanLlamaSteps
+
+    model = _adapted_policy(kit, target_modules=["q_proj", "gate_proj"])
+    _, ids, mask = prompts
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), AutocastWeightCache():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        steps = LeanLlamaSteps.build(model, out, mask, 4, prepack=True, merge_adapters=True)
+        lora = [m for m in model.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer")]
+        assert set(steps.merged) == set(lora) and not any(m in steps.packed for m in lora)
+        assert all(weight.dtype == torch.bfloat16 for weight, _ in steps.merged.values())
+        for module in lora:
+            x = torch.randn(ids.shape[0], 1, module.in_features)
+            torch.testing.assert_close(
+                steps._linear(module, x).float(), module(x).float(), rtol=3e-2, atol=3e-2
+            )
+
+
+def test_an_adapter_peft_cannot_merge_keeps_its_own_forward(kit):
+    from rlhf_trainers import cpu_speedups
+
+    model = _adapted_policy(kit, target_modules=["q_proj"], alora_invocation_tokens=[5, 6])
+    layers = [m for m in model.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer")]
+    assert layers and all(cpu_speedups._merged_lora(m) is None for m in layers)
+    plain = _adapted_policy(kit, target_modules=["q_proj"])
+    layer = next(m for m in plain.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer"))
+    assert cpu_speedups._merged_lora(layer) is not None
+    assert cpu_speedups._merged_lora(layer.train()) is None  # the adapter's dropout acts in training mode
+
+
+def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, tmp_path):
+    from peft import LoraConfig
+
+    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked, lean_llama_steps_prepacked_merged
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    on = _trainer(kit, tmp_path / "on", peft_config=lora)
+    assert on.generation_backend.fast_steps is lean_llama_steps_prepacked_merged
+    assert "LoRA adapters merged" in on.batch_accounting()
+    off = _trainer(kit, tmp_path / "off", peft_config=lora, merged_adapter_decoding=False)
+    assert off.generation_backend.fast_steps is lean_llama_steps_prepacked
+    assert "merged" not in off.batch_accounting()
+
+
 def test_the_trainer_decodes_on_prepacked_weights_by_default_and_not_when_asked(kit, tmp_path):
     from rlhf_trainers.cpu_speedups import lean_llama_steps, lean_llama_steps_prepacked
 
