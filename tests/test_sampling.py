@@ -404,6 +404,20 @@ def test_mkl_prepacked_decoding_samples_what_the_forward_samples(
     assert set(steps.packed) == set(linears) and steps.rows == ids.shape[0] and steps.llama_mlp
 
 
+def _with_and_without(provider, model, prompts, max_new_tokens: int) -> list:
+    """The samples of ``model`` from ``prompts`` with the decoding steps of ``provider``, then with its
+    forward, from the same seed."""
+    tok, ids, mask = prompts
+    runs = []
+    for steps in (provider, None):
+        torch.manual_seed(2)
+        settings = SamplingSettings(
+            max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, return_logprobs=True
+        )
+        runs.append(sample_with_kv_cache(model, ids, mask, settings, steps))
+    return runs
+
+
 def test_mkl_prepacked_decoding_leaves_lora_layers_to_their_own_forward(kit, prompts, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
@@ -414,13 +428,7 @@ def test_mkl_prepacked_decoding_leaves_lora_layers_to_their_own_forward(kit, pro
         kit.load_model("llama-sft"),
         LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False, lora_dropout=0.0),
     ).eval()
-    tok, ids, mask = prompts
-    runs = []
-    for provider in (lean_llama_steps_prepacked, None):
-        torch.manual_seed(2)
-        settings = SamplingSettings(max_new_tokens=8, pad_token_id=tok.pad_token_id, return_logprobs=True)
-        runs.append(sample_with_kv_cache(model, ids, mask, settings, provider))
-    _assert_same_samples(*runs)
+    _assert_same_samples(*_with_and_without(lean_llama_steps_prepacked, model, prompts, max_new_tokens=8))
     packed = built[0].packed
     assert packed and not any("lora" in type(m).__module__ for m in packed)
     assert all(type(m) is torch.nn.Linear for m in packed)
@@ -450,13 +458,7 @@ def test_merged_adapter_decoding_samples_what_the_adapters_forward_samples(kit, 
     built = _prepacked_steps_built(monkeypatch)
     model = _adapted_policy(kit, target_modules=["q_proj", "o_proj", "up_proj", "down_proj"], use_dora=dora)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    tok, ids, mask = prompts
-    runs = []
-    for provider in (lean_llama_steps_prepacked_merged, None):
-        torch.manual_seed(2)
-        settings = SamplingSettings(max_new_tokens=10, pad_token_id=tok.pad_token_id, return_logprobs=True)
-        runs.append(sample_with_kv_cache(model, ids, mask, settings, provider))
-    merged, plain = runs
+    merged, plain = _with_and_without(lean_llama_steps_prepacked_merged, model, prompts, max_new_tokens=10)
     assert torch.equal(merged.tokens, plain.tokens)
     torch.testing.assert_close(merged.logprobs, plain.logprobs, atol=1e-4, rtol=0)
     lora = [m for m in model.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer")]
