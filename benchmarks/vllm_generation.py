@@ -16,6 +16,7 @@ vLLM runs twice: with the rollout's log-probs recomputed by a policy forward pas
 
     python benchmarks/vllm_generation.py                      # writes benchmarks/results/vllm_generation_cpu.json
     python benchmarks/vllm_generation.py --updates 6 --trainers rloo
+    python benchmarks/vllm_generation.py --backends builtin-adapter builtin --trainers ppo  # merged LoRA or not
 
 Writes ``<out>/vllm_generation_<device>.json`` and ``.md`` (the table).
 """
@@ -36,11 +37,18 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRAINERS = ("ppo", "rloo")
-#: builtin: the sampling loop (its own log-probs are the rollout's); vllm: vLLM, the rollout's log-probs
-#: recomputed by a policy forward pass (the default); vllm-old: vLLM's log-probs as the rollout's
-#: (``rollout_logprobs='generation'``, no policy forward pass).
-BACKENDS = ("builtin", "vllm", "vllm-old")
-LOGPROBS = {"builtin": "sampling loop's", "vllm": "forward pass", "vllm-old": "vLLM's"}
+#: builtin: the sampling loop (its own log-probs are the rollout's); builtin-adapter: the same with the
+#: LoRA adapter's own forward at every decoding step (``merged_adapter_decoding=False``; not run by
+#: default); vllm: vLLM, the rollout's log-probs recomputed by a policy forward pass (the default);
+#: vllm-old: vLLM's log-probs as the rollout's (``rollout_logprobs='generation'``, no policy forward pass).
+BACKENDS = ("builtin", "builtin-adapter", "vllm", "vllm-old")
+DEFAULT_BACKENDS = ("builtin", "vllm", "vllm-old")
+LOGPROBS = {
+    "builtin": "sampling loop's",
+    "builtin-adapter": "sampling loop's",
+    "vllm": "forward pass",
+    "vllm-old": "vLLM's",
+}
 
 
 def worker(
@@ -91,6 +99,7 @@ def worker(
         "disable_tqdm": True,
         "use_vllm": backend.startswith("vllm"),
         "rollout_logprobs": "generation" if backend == "vllm-old" else "auto",
+        "merged_adapter_decoding": backend != "builtin-adapter",
         "local_rollout_forward_batch_size": completions,
         "bf16": bf16,
     }
@@ -185,7 +194,7 @@ def main() -> None:
         help="bf16 autocast (the builtin loop samples in bf16) and vLLM's engine in bf16",
     )
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS), choices=BACKENDS)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument(
         "--python", default=None, help="Interpreter with vLLM (default: the vLLM environment)."
@@ -241,7 +250,7 @@ def main() -> None:
         by = {r["backend"]: r["summary"] for r in runs if r["trainer"] == trainer_name}
         if "builtin" not in by:
             continue
-        for backend in ("vllm", "vllm-old"):
+        for backend in ("builtin-adapter", "vllm", "vllm-old"):
             if backend in by:
                 ratios.setdefault(trainer_name, {})[backend] = {
                     "generation_speedup": by["builtin"]["generate_s"] / by[backend]["generate_s"],

@@ -53,8 +53,9 @@ to the autocast dtype under CPU bf16/fp16 autocast. Float32 results equal the ad
 (another order of the same sums: SmolLM2-135M with LoRA r 16 on every linear layer, 32 completions x 32
 tokens, the same draws and log-probs within 4e-5); in bf16 the merged weight is rounded once instead of
 the base weight and the adapter's product separately, so draws differ as any two bf16 kernels' do.
-Measured on the 2-core Intel Xeon, one thread, that job: 12.3 -> 10.9 s per sampling call in float32,
-11.8 -> 9.6 s in bf16. The copies (the adapted weights once more, and their packed form in float32) live
+Measured on the 2-core Intel Xeon, one thread, that job (``benchmarks/lora_decoding.py``, medians of 5
+alternating calls on a noisy day): 12.2 -> 9.8 s per sampling call in float32, 8.8 -> 7.6 s in bf16; inside
+a PPO update's generation 1.03x and 1.06x, within that day's noise. The copies (the adapted weights once more, and their packed form in float32) live
 for the sampling call only. CPU only: on a GPU the copy would be memory the user did not plan for, and
 the adapter's small products cost little there. Layers it does not apply to (an adapter PEFT cannot merge,
 such as aLoRA; hooks; training mode, where the adapter's dropout acts) keep their own forward.

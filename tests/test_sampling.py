@@ -500,15 +500,20 @@ def test_an_adapter_peft_cannot_merge_keeps_its_own_forward(kit):
     assert cpu_speedups._merged_lora(layer.train()) is None  # the adapter's dropout acts in training mode
 
 
-def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, tmp_path):
+def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, tmp_path, monkeypatch):
     from peft import LoraConfig
 
     from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked, lean_llama_steps_prepacked_merged
 
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
     on = _trainer(kit, tmp_path / "on", peft_config=lora)
     assert on.generation_backend.fast_steps is lean_llama_steps_prepacked_merged
     assert "LoRA adapters merged" in on.batch_accounting()
+    built = _prepacked_steps_built(monkeypatch)
+    on.policy.train()  # as between updates: the rollout samples in eval mode all the same
+    _seeded_rollout(on)
+    adapted = [m for m in on.policy.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer")]
+    assert built and len(adapted) == 2 * 2 and all(set(adapted) <= set(steps.packed) for steps in built)
     off = _trainer(kit, tmp_path / "off", peft_config=lora, merged_adapter_decoding=False)
     assert off.generation_backend.fast_steps is lean_llama_steps_prepacked
     assert "merged" not in off.batch_accounting()
