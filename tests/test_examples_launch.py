@@ -5,7 +5,8 @@ what CPU ranks need: ``--use_cpu``, no ``ACCELERATE_USE_CPU``, a free port).
 
 Each run trains a few updates on the offline kit and must: see 2 ranks, log every update, evaluate
 before and after, and save a policy that ``from_pretrained`` loads and whose weights moved.
-Wall times on 2 busy cores: ZeRO-3 PPO, 4 updates, about 40 s (plus 45-90 s once per machine for
+Wall times on 2 busy cores: ZeRO-3 PPO, 2 updates (4 until the suite neared CI's 15 minutes; the
+ZeRO-3 learning runs are tests/test_ppo_distributed.py's), about 30 s (plus 45-90 s once per machine for
 DeepSpeed's comm op); DDP RLOO, 3 updates, about 30 s.
 """
 
@@ -54,13 +55,13 @@ def test_ppo_example_with_the_zero3_config(kit, tmp_path):
     out, results_file = tmp_path / "out", tmp_path / "results.json"
     done = run_script(
         REPO_ROOT / "examples" / "ppo.py",
-        ["--output_dir", str(out), "--max_steps", "4", "--results_file", str(results_file), *COMMON],
+        ["--output_dir", str(out), "--max_steps", "2", "--results_file", str(results_file), *COMMON],
         deepspeed="zero3",
         env={"RLHF_TRAINERS_KIT_DIR": str(kit.root)},
         timeout=600,
         launcher="accelerate",  # the user's command, launcher and all
     )
-    results = _check_trained(kit, out, results_file, done.stdout, updates=4)
+    results = _check_trained(kit, out, results_file, done.stdout, updates=2)
     assert (results["distributed_type"], results["zero_stage"]) == ("DEEPSPEED", 3)
     # zero3_save_16bit_model in the config: save_model gathered full weights, for the value model too
     value = AutoModelForSequenceClassification.from_pretrained(out / "value_model")
