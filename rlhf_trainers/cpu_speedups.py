@@ -39,8 +39,11 @@ for frozen linear layers on CPU): the lean steps pack each plain ``nn.Linear`` w
 call for its batch size and multiply by the packed copy at every step. Measured on the 2-core Intel Xeon
 (one thread): a 16 x 576 by 576 x 1536 product 0.69 -> 0.47 ms, the 49152 x 576 lm head 23.2 -> 14.3 ms,
 16 rows x 64 tokens of SmolLM2-135M 10.8 -> 9.3 s, with draws, log-probs and entropies identical bit for
-bit. The packed copies live for the sampling call only (one more copy of the linear weights then). LoRA
-layers and other ``nn.Linear`` subclasses keep their own forward.
+bit. The packed copies live for the sampling call only, and MKL's packed form is larger than the weights:
+SmolLM2-135M's 513 MiB of float32 linear weights packed for 16 rows added 1016 MiB of resident memory at
+the first call, in tensors that reserve 2.6 GB of address space (``benchmarks/prepacked_memory.py``;
+``_mkl_reorder_linear_weight`` returns 2-5x the weight's element count). LoRA layers and other ``nn.Linear`` subclasses keep their own forward
+(unless ``merged_adapter_decoding`` merges them, below).
 
 **LoRA adapters merged for the decoding steps** (``merged_adapter_decoding``). A PEFT LoRA layer computes
 ``base(x) + scale * B(A(dropout(x)))``: three products per linear layer at every decoding step, where
