@@ -42,8 +42,8 @@ call for its batch size and multiply by the packed copy at every step. Measured 
 bit. The packed copies live for the sampling call only, and MKL's packed form is larger than the weights:
 SmolLM2-135M's 513 MiB of float32 linear weights packed for 16 rows added 1016 MiB of resident memory at
 the first call, in tensors that reserve 2.6 GB of address space (``benchmarks/prepacked_memory.py``;
-``_mkl_reorder_linear_weight`` returns 2-5x the weight's element count). LoRA layers and other ``nn.Linear`` subclasses keep their own forward
-(unless ``merged_adapter_decoding`` merges them, below).
+``_mkl_reorder_linear_weight`` returns 2-5x the weight's element count). LoRA layers and other
+``nn.Linear`` subclasses keep their own forward (unless ``merged_adapter_decoding`` merges them, below).
 
 **LoRA adapters merged for the decoding steps** (``merged_adapter_decoding``). A PEFT LoRA layer computes
 ``base(x) + scale * B(A(dropout(x)))``: three products per linear layer at every decoding step, where
@@ -57,9 +57,9 @@ to the autocast dtype under CPU bf16/fp16 autocast. Float32 results equal the ad
 tokens, the same draws and log-probs within 4e-5); in bf16 the merged weight is rounded once instead of
 the base weight and the adapter's product separately, so draws differ as any two bf16 kernels' do.
 Measured on the 2-core Intel Xeon, one thread, that job (``benchmarks/lora_decoding.py``, medians of 5
-alternating calls on a noisy day): 12.2 -> 9.8 s per sampling call in float32, 8.8 -> 7.6 s in bf16; inside
-a PPO update's generation 1.03x and 1.06x, within that day's noise. The copies (the adapted weights once more, and their packed form in float32) live
-for the sampling call only. CPU only: on a GPU the copy would be memory the user did not plan for, and
+alternating calls on a noisy day): 12.2 -> 9.8 s per sampling call in float32, 8.8 -> 7.6 s in bf16;
+inside a PPO update's generation 1.03x and 1.06x, within that day's noise. The copies (the adapted
+weights once more, and their packed form in float32) live for the sampling call only. CPU only: on a GPU the copy would be memory the user did not plan for, and
 the adapter's small products cost little there. Layers it does not apply to (an adapter PEFT cannot merge,
 such as aLoRA; hooks; training mode, where the adapter's dropout acts) keep their own forward.
 
@@ -226,13 +226,20 @@ def _merging_pays(model: nn.Module, config: Any, *, device: torch.device, deepsp
     the user did not plan for), no DeepSpeed, and a PEFT LoRA ``Linear`` layer in ``model``."""
     if not getattr(config, "merged_adapter_decoding", False) or device.type != "cpu" or deepspeed:
         return False
+    lora_linear = _lora_linear_class()
+    return lora_linear is not None and any(type(m) is lora_linear for m in model.modules())
+
+
+def _lora_linear_class() -> type | None:
+    """PEFT's LoRA ``Linear`` layer class, or None where PEFT was never imported (no such layer can
+    exist then) or cannot be."""
     if "peft" not in sys.modules:
-        return False
+        return None
     try:
         from peft.tuners.lora import Linear as LoraLinear
     except ImportError:  # pragma: no cover - a broken install
-        return False
-    return any(type(m) is LoraLinear for m in model.modules())
+        return None
+    return LoraLinear
 
 
 def _onednn_pays(model: nn.Module, config: Any, *, device: torch.device, deepspeed: bool) -> bool:
@@ -489,13 +496,8 @@ def _merged_lora(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     exactly that product: PEFT's own ``Linear`` class, over a plain CPU ``nn.Linear``, in eval mode (no
     adapter dropout), no hooks on either. None for anything else, and for an adapter PEFT cannot merge
     (those layers keep their own forward)."""
-    if "peft" not in sys.modules:
-        return None
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:  # pragma: no cover - a broken install
-        return None
-    if type(module) is not LoraLinear or module.training:
+    lora_linear = _lora_linear_class()
+    if lora_linear is None or type(module) is not lora_linear or module.training:
         return None
     base = module.get_base_layer()
     if type(base) is not nn.Linear or base.weight.device.type != "cpu":
