@@ -99,6 +99,25 @@ def test_an_adapter_peft_cannot_merge_is_refused_with_the_reason(kit):
         dict(inference_weights(model))
 
 
+def test_several_active_adapters_are_merged_and_a_variant_among_several_is_refused(kit):
+    model = _adapted(kit, "llama", target_modules=["q_proj", "v_proj"])
+    second = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj"])
+    model.add_adapter("second", second)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "second" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.base_model.set_adapter(["default", "second"])
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(_engine_model(model), ids), _logits(model, ids), rtol=1e-4, atol=1e-4)
+
+    dora = _adapted(kit, "llama", target_modules=["q_proj"], use_dora=True)
+    dora.add_adapter("second", LoraConfig(r=2, init_lora_weights=False, target_modules=["q_proj"]))
+    dora.base_model.set_adapter(["default", "second"])
+    with pytest.raises(AdapterNotMergeableError, match=r"include a LoRA variant \(DoraLinearVariant\)"):
+        dict(inference_weights(dora))
+
+
 def test_the_model_is_left_as_it_was(kit):
     model = _adapted(kit, "llama", target_modules="all-linear", use_dora=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -71,11 +71,20 @@ def merged_adapter_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor
     if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
         return weight, bias  # adapters off, or already merged into the base weights
     variants = getattr(layer, "lora_variant", {})
-    for adapter in layer.active_adapters:
-        if adapter not in getattr(layer, "lora_A", {}) and adapter not in getattr(
-            layer, "lora_embedding_A", {}
-        ):
-            continue  # no adapter of that name on this layer
+    adapters = [
+        adapter
+        for adapter in layer.active_adapters
+        if adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {})
+    ]
+    if len(adapters) > 1 and any(adapter in variants for adapter in adapters):
+        # PEFT merges a variant (DoRA) from the base layer's weight as its in-place merges left it, which a
+        # merge into copies cannot replay.
+        raise AdapterNotMergeableError(
+            f"the active adapters {adapters} include a LoRA variant "
+            f"({', '.join(sorted({type(variants[a]).__name__ for a in adapters if a in variants}))}) among "
+            "several on one layer, which cannot be merged into a copy of the weights; activate one of them"
+        )
+    for adapter in adapters:
         variant = variants.get(adapter)
         if variant is not None:
             try:
