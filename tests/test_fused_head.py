@@ -61,6 +61,37 @@ def test_fused_head_gradients_with_several_row_chunks_and_with_no_rows():
     assert torch.equal(w.grad, torch.zeros_like(w))
 
 
+def test_the_backward_pass_takes_more_rows_per_tile_within_the_forwards_memory_bound(monkeypatch):
+    # The backward's tiles hold as many logits as the forward's (row_chunk x vocab_chunk) but more rows
+    # (the weight gradient's product then has a deeper inner dimension); the gradients stay exact.
+    from rlhf_trainers.functional import logprob_kernels
+
+    torch.manual_seed(2)
+    N, H, V, rows, columns = 37, 8, 5000, 4, 4096
+    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    tok = torch.randint(0, V, (N,))
+    tiles: list[tuple[int, int]] = []
+    tile = logprob_kernels._hidden_tile
+
+    def recording(h, weight, bias, v0, v1, dtype, temperature):
+        tiles.append((h.shape[0], v1 - v0))
+        return tile(h, weight, bias, v0, v1, dtype, temperature)
+
+    monkeypatch.setattr(logprob_kernels, "_hidden_tile", recording)
+    lp, _ = F.logprobs_and_entropy_from_hidden(h, w, tok, 0.7, row_chunk_size=rows, vocab_chunk_size=columns)
+    forward_tiles, tiles[:] = list(tiles), []
+    g = torch.randn(N, dtype=torch.float64)
+    grads = torch.autograd.grad((lp * g).sum(), [h, w])
+    assert max(r for r, _ in forward_tiles) == rows
+    assert max(r for r, _ in tiles) > rows  # 8 rows x 2048 columns
+    assert max(r * c for r, c in tiles) <= rows * columns
+    lp_ref = torch.log_softmax(h @ w.t() / 0.7, -1).gather(1, tok[:, None]).squeeze(1)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad((lp_ref * g).sum(), [h, w]), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fused_head_under_bf16_autocast_is_autocasts_lm_head_in_both_passes(with_bias):
     """Under CPU bf16 autocast with float32 parameters (``bf16=True``), the fused head's products are
