@@ -7,7 +7,10 @@ workers with two threads each on two cores would only wait for each other.
 
 Tests that share an expensive module- or class-scoped fixture (a trained model, a distributed run whose
 results several tests check) stay on one worker (``--dist loadgroup``, one group per module), so the
-fixture is computed once; all other tests are spread one by one.
+fixture is computed once; all other tests are spread one by one. Workers take them in the order of
+:func:`pytest_collection_modifyitems` (``--no-loadscope-reorder``): the longest first, so that the run
+does not end on one worker alone with a long test (the vLLM proxy, ~4 minutes, started last in
+alphabetical order, left one of two workers idle for most of that).
 
 Tests that run a script as a fresh process (a docs page, a trainer killed while saving) start it from a
 fork of a server that has the heavy imports done (``tests/forked.py``): ~5 s of CPU less per run. So do
@@ -71,6 +74,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
         if shared:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # When xdist hands each test out (a stable sort of the collection): the vLLM proxy first (the longest
+    # test by far), then every module that has a `slow` test (each module kept together in its own
+    # order, so its module-scoped fixtures are built once), then the rest.
+    slow_modules = {
+        item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow") is not None
+    }
+
+    def start_order(item: pytest.Item) -> int:
+        if item.get_closest_marker("vllm_proxy") is not None and item.get_closest_marker("slow") is not None:
+            return 0
+        return 1 if item.nodeid.split("::")[0] in slow_modules else 2
+
+    items.sort(key=start_order)
 
 
 @pytest.fixture(scope="session")
