@@ -16,12 +16,21 @@ Python and data movement are left out, so the floor is below anything real):
 - **optimizer**: ``optimizer_steps`` x (``torch.optim.AdamW(fused=True)`` step + ``clip_grad_norm_``) over
   all parameters (gradients filled).
 
+With ``--ppo``, PPO's job (issue #24's variable-length job of ``vs_trl.py --stop-at-eos``): also the
+reference model's pass (the body and the head on the response positions), the value model's rollout pass
+and its training passes (its body; a value head of one output is left out) and the value model's optimizer
+steps; ``--response-mean`` is then the mean real response length (the passes' tokens), while generation
+runs ``response_length`` decoding steps (a batch runs until its longest response stops).
+
 Defaults: the GRPO job of ``vs_trl.py`` at SmolLM2-135M (``benchmarks/results/vs_trl_grpo_cpu_1thread.json``:
 8 completions = 2 prompts x 4, 32 tokens each, 3.5 prompt tokens on average, 2 mini-batches x 2 iterations
 = 4 optimizer steps of 4 completions). ``--trl-seconds`` (that file's TRL seconds per update) turns the
 floor into the highest ratio reachable: ``trl_seconds / floor``.
 
     python benchmarks/floors.py --out benchmarks/results
+    python benchmarks/floors.py --ppo --completions 16 --prompt-tokens 42.4 --response-length 64 \
+        --response-mean 40 --micro-batch 8 --train-passes 4 --optimizer-steps 4 \
+        --trl-seconds 70.04 70.12 --tag 135m_ppo_varlen      # vs_trl_varlen_135m.json's PPO job
 
 Writes ``<out>/floors_<tag>.json``.
 """
@@ -77,6 +86,13 @@ def main() -> None:
     parser.add_argument("--completions", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=float, default=3.5, help="mean real prompt tokens")
     parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument(
+        "--response-mean",
+        type=float,
+        default=None,
+        help="mean real response tokens (default: response-length)",
+    )
+    parser.add_argument("--ppo", action="store_true", help="PPO: reference pass, value model, its optimizer")
     parser.add_argument("--micro-batch", type=int, default=4, help="completions per training pass")
     parser.add_argument("--train-passes", type=int, default=4, help="forward + backward passes per update")
     parser.add_argument("--optimizer-steps", type=int, default=4)
@@ -99,15 +115,22 @@ def main() -> None:
     body = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     head_w = head.weight.detach()
     R, P, B = args.response_length, args.prompt_tokens, args.completions
-    tokens = round(P + R)
+    mean_response = R if args.response_mean is None else args.response_mean
+    tokens = round(P + mean_response)
+    head_rows = round(mean_response + 1)
 
     step = linear_seconds([*body, head_w], B, args.repeats, backward=False)
     prefill = linear_seconds(body, max(1, round(P * B)), args.repeats, backward=False)
     generation = R * step + prefill
     reward = linear_seconds(body, tokens * B, args.repeats, backward=False)
-    one_pass = linear_seconds(body, tokens * args.micro_batch, args.repeats, backward=True)
-    one_pass += linear_seconds([head_w], (R + 1) * args.micro_batch, args.repeats, backward=True)
+    body_pass = linear_seconds(body, tokens * args.micro_batch, args.repeats, backward=True)
+    one_pass = body_pass + linear_seconds([head_w], head_rows * args.micro_batch, args.repeats, backward=True)
     training = args.train_passes * one_pass
+    reference = values = value_training = 0.0
+    if args.ppo:
+        reference = reward + linear_seconds([head_w], head_rows * B, args.repeats, backward=False)
+        values = reward  # the value model's body over the same tokens
+        value_training = args.train_passes * body_pass
 
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -115,9 +138,9 @@ def main() -> None:
     adamw = torch.optim.AdamW(params, lr=1e-6, fused=True)
     optimizer_step = median_seconds(adamw.step, args.repeats)
     clip = median_seconds(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), args.repeats)
-    optimizer = args.optimizer_steps * (optimizer_step + clip)
+    optimizer = args.optimizer_steps * (optimizer_step + clip) * (2 if args.ppo else 1)
 
-    floor = generation + reward + training + optimizer
+    floor = generation + reward + training + optimizer + reference + values + value_training
     matmul = measure_matmul([1024, 2048], repeats=5)
     result: dict[str, Any] = {
         "model": str(folder),
@@ -137,6 +160,11 @@ def main() -> None:
             "reward": reward,
             "training_pass": one_pass,
             "training": training,
+            **(
+                {"reference": reference, "values": values, "value_training": value_training}
+                if args.ppo
+                else {}
+            ),
             "adamw_fused_step": optimizer_step,
             "clip_grad_norm": clip,
             "optimizer": optimizer,
