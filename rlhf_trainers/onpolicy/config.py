@@ -464,7 +464,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     logprob_chunk_size: int | None = field(
         default=128,
         metadata={
-            "help": "Rows of (batch x tokens) per log-prob chunk: bounds the temporary memory. None: all."
+            "help": "Rows of (batch x tokens) per log-prob chunk: bounds the temporary memory. None: all. The "
+            "fused lm head's backward pass takes tiles of as many logits in more rows (up to 512)."
         },
     )
     mkl_prepacked_decoding: bool = field(
