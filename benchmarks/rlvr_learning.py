@@ -156,14 +156,15 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(result: dict[str, Any], out: Path, docs_png: Path | None) -> None:
+def write(result: dict[str, Any], out: Path, docs_png: Path | None, stem: str = "rlvr_learning") -> None:
+    """``<out>/<stem>.json``, ``.md`` and ``.png`` (and the PNG copied to ``docs_png``)."""
     result["summary"] = summarize(result["runs"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rlvr_learning.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "rlvr_learning.md").write_text(table(result))
-    plot(result, out / "rlvr_learning.png")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table(result))
+    plot(result, out / f"{stem}.png")
     if docs_png is not None:
-        shutil.copyfile(out / "rlvr_learning.png", docs_png)
+        shutil.copyfile(out / f"{stem}.png", docs_png)
 
 
 def main() -> None:
@@ -178,7 +179,11 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.03)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--docs-png", type=Path, default=ROOT / "docs" / "img" / "rlvr_learning.png")
-    parser.add_argument("--render", type=Path, help="Redraw the PNG from this JSON and exit.")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        help="Redraw the table and PNG of this JSON (beside it, under its name) and exit.",
+    )
     parser.add_argument(
         "--keep-other-trainers",
         action="store_true",
@@ -189,7 +194,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.render:
         result = json.loads(args.render.read_text())
-        write(result, args.render.parent, args.docs_png)
+        # the file's own name: rendering rlvr_learning_bf16_rloo.json rewrites that file, not rlvr_learning.*
+        write(result, args.render.parent, args.docs_png, stem=args.render.stem)
         return
 
     skip = ("out", "docs_png", "render", "keep_other_trainers")
