@@ -414,8 +414,9 @@ def _backward_tile(n: int, v: int, row_chunk: int, vocab_chunk: int) -> tuple[in
     tile's rows: at 128 rows it ran at ~1/3 of the machine's matmul rate (SmolLM2-135M's 49K x 576 head,
     one CPU thread), and every further row chunk re-read and re-wrote the (V, H) gradient. With 330
     response tokens the head's forward + backward took 0.83 s instead of 0.92 s (660 tokens: 1.62 s
-    instead of 1.75 s; ``benchmarks/fused_head.py``, a noisy day). Only the backward's summation order changes; the forward's tiles, and so the
-    log-probs, stay those of the arguments (the rollout's and the training's passes agree bit for bit)."""
+    instead of 1.75 s; ``benchmarks/fused_head.py``, a noisy day). Only the backward's summation order
+    changes; the forward's tiles, and so the log-probs, stay those of the arguments (the rollout's and the
+    training's passes agree bit for bit)."""
     budget = row_chunk * vocab_chunk
     rows = min(n, max(row_chunk, budget // _MIN_BACKWARD_VOCAB_TILE))
     if rows <= row_chunk:

@@ -465,7 +465,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default=128,
         metadata={
             "help": "Rows of (batch x tokens) per log-prob chunk: bounds the temporary memory. None: all. The "
-            "fused lm head's backward pass takes tiles of as many logits in more rows (up to 512)."
+            "fused lm head's backward pass takes tiles of as many logits in more rows (512 at the default)."
         },
     )
     mkl_prepacked_decoding: bool = field(
