@@ -16,6 +16,8 @@ from rlhf_trainers.generation import (
     GenerationBackend,
     SamplingSettings,
     TransformersGenerate,
+    draw_inverse_cdf,
+    draw_multinomial,
     make_generation_backend,
 )
 from rlhf_trainers.onpolicy.forward import policy_logits
@@ -60,11 +62,68 @@ def test_both_backends_draw_the_same_tokens_for_a_seed(policy, prompts, stop):
         assert (draws["builtin"][after] == tok.pad_token_id).all()
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
+def test_inverse_cdf_draws_follow_the_distribution_and_never_an_excluded_token():
+    """The CPU switch ``inverse_cdf_sampling``'s draws: each token as often as its probability says (the
+    same distribution as torch.multinomial's, to sampling error), never one of probability 0, and
+    reproducible from torch's seed. Rows are drawn in blocks of 16; 4,000 rows cross many blocks."""
+    probs = torch.tensor([0.05, 0.0, 0.25, 0.0, 0.6, 0.1, 0.0])
+    rows = probs.expand(4000, -1).contiguous()
+    torch.manual_seed(0)
+    drawn = draw_inverse_cdf(rows)
+    assert drawn.shape == (4000,) and drawn.dtype == torch.long
+    share = torch.bincount(drawn, minlength=7).double() / 4000
+    assert (share[probs == 0] == 0).all()
+    # within 4.5 standard errors of each probability (sqrt(p (1 - p) / n) <= 0.0078)
+    assert (share - probs.double()).abs().max() < 0.035, share
+    torch.manual_seed(1)
+    by_multinomial = torch.bincount(draw_multinomial(rows), minlength=7).double() / 4000
+    assert (share - by_multinomial).abs().max() < 0.05
+    torch.manual_seed(0)
+    assert torch.equal(draw_inverse_cdf(rows), drawn)  # the seed decides the draws
+    # unnormalized rows (a sum of float32 probabilities is 1 only to rounding) draw by their shares
+    torch.manual_seed(0)
+    assert torch.equal(draw_inverse_cdf(rows * 3), drawn)
+
+
+def test_inverse_cdf_draws_stay_on_nonzero_tokens_at_the_ends_and_refuse_nonfinite_rows(monkeypatch):
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]])
+    largest_below_one = 1.0 - 2.0**-53  # torch.rand's largest float64
+    monkeypatch.setattr(
+        torch, "rand", lambda *shape, **kw: torch.full(shape, largest_below_one, dtype=kw["dtype"])
+    )
+    assert draw_inverse_cdf(probs).tolist() == [2, 3]
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.zeros(shape, dtype=kw["dtype"]))
+    assert draw_inverse_cdf(probs).tolist() == [1, 3]
+    monkeypatch.undo()
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="inf or nan, or sums to zero"):
+            draw_inverse_cdf(torch.tensor([[0.5, 0.5], [bad, 0.5]]))
+    with pytest.raises(ValueError, match="sums to zero"):
+        draw_inverse_cdf(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"shape \(B, V\); got \(3,\)"):
+        draw_inverse_cdf(torch.ones(3))
+
+
+def test_the_builtin_loop_with_inverse_cdf_draws_draws_other_tokens_than_generate(policy, prompts):
+    """The price of the switch, stated in its help: for the same seed the loop no longer draws
+    generate's tokens (it does with torch.multinomial, test_both_backends_draw_the_same_tokens_for_a_seed)."""
+    tok, ids, mask = prompts
+    settings = _settings(tok, stop=False)
+    torch.manual_seed(3)
+    inverse_cdf = BuiltinSampling(policy, draw=draw_inverse_cdf).sample(ids, mask, settings).tokens
+    torch.manual_seed(3)
+    generated = TransformersGenerate(policy).sample(ids, mask, settings).tokens
+    assert inverse_cdf.shape == generated.shape and not torch.equal(inverse_cdf, generated)
+
+
+@pytest.mark.parametrize("name", [*BACKENDS, "builtin, inverse-CDF draws"])
 def test_logprobs_are_the_forward_pass_values_and_zero_after_a_stop(policy, prompts, name):
     tok, ids, mask = prompts
     torch.manual_seed(0)
-    samples = BACKENDS[name](policy).sample(ids, mask, _settings(tok, n=10, logprobs=True))
+    backend = (
+        BuiltinSampling(policy, draw=draw_inverse_cdf) if name not in BACKENDS else BACKENDS[name](policy)
+    )
+    samples = backend.sample(ids, mask, _settings(tok, n=10, logprobs=True))
     tokens = samples.tokens
     assert samples.logprobs.shape == samples.entropy.shape == tokens.shape == (ids.shape[0], 10)
     assert samples.logprobs.dtype == samples.entropy.dtype == torch.float32
@@ -110,10 +169,18 @@ def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path):
     builtin = make_generation_backend(policy, RLOOConfig(**base), device=cpu)
     assert type(builtin) is BuiltinSampling and builtin.logprobs_for_rollout
     # On CPU with MKL's packed GEMM (x86 torch wheels): the lean steps on prepacked weights.
-    assert builtin.name == "builtin (lean Llama steps on MKL-prepacked weights)" and builtin.fast_steps
-    unpacked = make_generation_backend(policy, RLOOConfig(**base, mkl_prepacked_decoding=False), device=cpu)
+    # and inverse-CDF draws (on CPU only; torch.multinomial, generate's draws, where switched off).
+    assert builtin.name == "builtin (lean Llama steps on MKL-prepacked weights, inverse-CDF draws)"
+    assert builtin.fast_steps and builtin.draw is draw_inverse_cdf
+    assert plain.draw is draw_multinomial
+    unpacked = make_generation_backend(
+        policy, RLOOConfig(**base, mkl_prepacked_decoding=False, inverse_cdf_sampling=False), device=cpu
+    )
     assert unpacked.name == "builtin (lean Llama steps)" and unpacked.fast_steps is not None
-    no_lean = make_generation_backend(policy, RLOOConfig(**base, lean_decoding=False), device=cpu)
+    assert unpacked.draw is draw_multinomial
+    no_lean = make_generation_backend(
+        policy, RLOOConfig(**base, lean_decoding=False, inverse_cdf_sampling=False), device=cpu
+    )
     assert no_lean.name == "builtin" and no_lean.fast_steps is None
     hf = make_generation_backend(policy, RLOOConfig(**base, generation_loop="transformers"), device=cpu)
     assert type(hf) is TransformersGenerate and hf.name == "transformers.generate"
@@ -159,7 +226,7 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
     assert len(built) == 1 and trainer.generation_backend is built[0]
     assert len(calls) >= 2  # every rollout sampled through it
     expected = (
-        "builtin (lean Llama steps on MKL-prepacked weights)"
+        "builtin (lean Llama steps on MKL-prepacked weights, inverse-CDF draws)"
         if loop == "builtin"
         else "transformers.generate"
     )

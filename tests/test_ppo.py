@@ -503,8 +503,12 @@ def test_clip_options_change_the_loss(kit, tmp_path):
     r = trainer.rollout(trainer._prompt_batch(0))
     adv = trainer.compute_advantages(r, trainer.token_rewards(r))
     idx = torch.arange(8)
-    # A policy far from the rollout one: large ratios.
-    logprobs = r.logprobs + torch.linspace(-2, 2, r.logprobs.shape[1])
+    # A policy far from the rollout one: ratio e > 1.5 at every token, so that cliprange_high acts on each
+    # token of positive advantage and the dual clip (1.5) on each of negative advantage, whatever the
+    # sampled tokens (whitened advantages have both signs).
+    real = r.response_mask[idx].bool()
+    assert (adv.advantages[idx][real] > 0).any() and (adv.advantages[idx][real] < 0).any()
+    logprobs = r.logprobs + 1.0
     values = r.values + 1.0
     base, m = trainer.compute_policy_loss(r, adv, idx, logprobs, values)
     trainer.args.cliprange_high = 0.5

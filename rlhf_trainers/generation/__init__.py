@@ -12,13 +12,22 @@ docs/generation.md.
 from __future__ import annotations
 
 from .base import GenerationBackend, GenerationError, Samples, SamplingSettings, check_samples
-from .builtin import BuiltinSampling, FastDecodingSteps, FastStepsProvider, sample_with_kv_cache
+from .builtin import (
+    BuiltinSampling,
+    Draw,
+    FastDecodingSteps,
+    FastStepsProvider,
+    draw_inverse_cdf,
+    draw_multinomial,
+    sample_with_kv_cache,
+)
 from .factory import GENERATION_LOOPS, make_generation_backend
 from .transformers_generate import TransformersGenerate, generation_config_set_aside
 
 __all__ = [
     "GENERATION_LOOPS",
     "BuiltinSampling",
+    "Draw",
     "FastDecodingSteps",
     "FastStepsProvider",
     "GenerationBackend",
@@ -27,6 +36,8 @@ __all__ = [
     "SamplingSettings",
     "TransformersGenerate",
     "check_samples",
+    "draw_inverse_cdf",
+    "draw_multinomial",
     "generation_config_set_aside",
     "make_generation_backend",
     "sample_with_kv_cache",

@@ -69,8 +69,9 @@ def make_generation_backend(
         backend: GenerationBackend = TransformersGenerate(model, synced_ranks=synced_ranks, contexts=contexts)
         extras = [speedups.context_name]
     else:
-        backend = BuiltinSampling(model, contexts=contexts, fast_steps=speedups.fast_steps)
-        extras = [speedups.fast_steps_name, speedups.context_name]
+        draw = {} if speedups.draw is None else {"draw": speedups.draw}
+        backend = BuiltinSampling(model, contexts=contexts, fast_steps=speedups.fast_steps, **draw)
+        extras = [speedups.fast_steps_name, speedups.context_name, speedups.draw_name]
     extras = [name for name in extras if name]
     if extras:
         backend.name = f"{backend.name} ({', '.join(extras)})"
