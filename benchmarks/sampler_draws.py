@@ -1,20 +1,25 @@
 """The builtin sampling loop's draw per decoding step: ``torch.multinomial`` (``generate``'s draws) against
 inverse-CDF draws (``inverse_cdf_sampling=True``, :func:`rlhf_trainers.generation.draw_inverse_cdf`), at
 SmolLM2's vocabulary (49,152 entries) and the row counts of the benchmarks' rollouts, one thread, the two
-alternating; and how far apart their token frequencies are on one skewed distribution (the same
-distribution: the gap is sampling error).
+alternating; how far apart their token frequencies are on one skewed distribution (the same
+distribution: the gap is sampling error); and, with ``--smollm2``, each method's frequencies against the
+exact next-token distribution of SmolLM2-135M-Instruct after a chat prompt (temperatures 0.7 and 1.0):
+total variation, and the probability mass outside the 50 likeliest tokens (the tail a biased sampler
+would distort) with its standard error.
 
-    python benchmarks/sampler_draws.py --out benchmarks/results
+    python benchmarks/sampler_draws.py --smollm2 --out benchmarks/results
 
 Writes ``<out>/sampler_draws_cpu.json``: per row count, the median milliseconds per step of each, and
 the total-variation distance between the two methods' token frequencies over ``--draws`` draws together
-with its expected size for two independent samples of that many draws.
+with its expected size for two independent samples of that many draws; with ``--smollm2``, the
+real-model checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -36,6 +41,54 @@ def _median_ms(fn, probs: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _real_model_checks(inverse_cdf_draws: int, multinomial_draws: int) -> list[dict]:
+    """Each method's frequencies against SmolLM2-135M-Instruct's exact next-token distribution."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_trainers.testing.smollm2 import smollm2_folder
+
+    folder = smollm2_folder()
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "Write one sentence about the sea."}]
+    ids = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), return_tensors="pt")
+    with torch.no_grad():
+        logits = model(ids.input_ids).logits[0, -1].float()
+    checks = []
+    for temperature in (0.7, 1.0):
+        probs = torch.softmax(logits / temperature, dim=-1)
+        exact = probs.double()
+        block = probs.expand(1000, -1).contiguous()
+        order = exact.argsort(descending=True)
+        tail = exact[order[50:]].sum().item()
+        for name, fn, draws in (
+            ("inverse_cdf", draw_inverse_cdf, inverse_cdf_draws),
+            ("multinomial", draw_multinomial, multinomial_draws),
+        ):
+            torch.manual_seed(0)
+            drawn = torch.cat([fn(block) for _ in range(max(1, draws // 1000))])
+            n = drawn.numel()
+            freq = torch.bincount(drawn, minlength=probs.numel()).double() / n
+            checks.append(
+                {
+                    "temperature": temperature,
+                    "method": name,
+                    "draws": n,
+                    "total_variation_to_probs": 0.5 * (freq - exact).abs().sum().item(),
+                    # E|freq - p| ~ sqrt(2 p (1 - p) / (pi n)) per token (an upper bound for rare tokens)
+                    "expected_total_variation_at_most": 0.5
+                    * torch.sqrt(2 * exact * (1 - exact) / (math.pi * n)).sum().item(),
+                    "mass_outside_top50": freq[order[50:]].sum().item(),
+                    "mass_outside_top50_exact": tail,
+                    "mass_outside_top50_standard_error": math.sqrt(tail * (1 - tail) / n),
+                    "top_token": freq[order[0]].item(),
+                    "top_token_exact": exact[order[0]].item(),
+                }
+            )
+            print(json.dumps(checks[-1]), flush=True)
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -43,6 +96,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--draws", type=int, default=200_000, help="draws per method for the frequencies")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--smollm2",
+        action="store_true",
+        help="also check each method against SmolLM2-135M-Instruct's exact next-token distribution",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,6 +147,8 @@ def main() -> None:
         },
     }
     print(json.dumps(report["frequencies"]))
+    if args.smollm2:
+        report["smollm2_next_token"] = _real_model_checks(400_000, 60_000)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampler_draws_cpu.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -466,9 +466,9 @@ ONEDNN_NOTE = (
 )
 SAMPLER_NOTE = (
     "Sampler draws: TRL (`transformers.generate`) draws each token with `torch.multinomial`, which on CPU "
-    "draws one exponential variate per vocabulary entry (22-28 ms per step at 16 rows of SmolLM2's 49,152 "
+    "draws one exponential variate per vocabulary entry (22-32 ms per step at 16 rows of SmolLM2's 49,152 "
     "entries); ours on CPU inverts each row's cumulative distribution with one uniform variate "
-    "(`inverse_cdf_sampling=True`, the default since the seventeenth session; ~1.4 ms per step). The same "
+    "(`inverse_cdf_sampling=True`, the default since the seventeenth session; 1.4-2.1 ms per step). The same "
     "distribution, other tokens for a seed."
 )
 UNMATCHED = [

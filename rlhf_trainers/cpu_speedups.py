@@ -68,10 +68,10 @@ such as aLoRA; hooks; training mode, where the adapter's dropout acts) keep thei
 
 **Inverse-CDF draws** (``inverse_cdf_sampling``). On CPU, ``torch.multinomial(probs, 1)`` draws one
 exponential variate per vocabulary entry and takes the row's largest ``probs / variate`` (the exponential
-race), generating and transforming them one element at a time: 22-28 ms per decoding step for 16 rows of
-SmolLM2's 49,152 entries on one thread, ~1.4-1.8 s of a 64-token rollout, and 180 ms per step at 128
-rows. Inverting the cumulative distribution needs one uniform variate per row and a float64 running sum
-(:func:`~rlhf_trainers.generation.builtin.draw_inverse_cdf`): 1.4 ms at 16 rows, 11 ms at 128. The
+race), generating and transforming them one element at a time: 22-32 ms per decoding step for 16 rows of
+SmolLM2's 49,152 entries on one thread, ~1.4-2.0 s of a 64-token rollout, and 200-230 ms per step at
+128 rows. Inverting the cumulative distribution needs one uniform variate per row and a float64 running sum
+(:func:`~rlhf_trainers.generation.builtin.draw_inverse_cdf`): 1.4-2.1 ms at 16 rows, 12-14 ms at 128 (``benchmarks/sampler_draws.py``). The
 distribution is the same (each token with its probability; never one that top-k / top-p / min-p
 excluded), the draws for a seed are not: with the switch the builtin loop no longer reproduces
 ``generate(do_sample=True)``'s tokens for the same seed (on a GPU, where ``torch.multinomial`` is one

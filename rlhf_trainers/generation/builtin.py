@@ -61,7 +61,7 @@ _INVERSE_CDF_ROWS = 16
 def draw_multinomial(probs: torch.Tensor) -> torch.Tensor:
     """``torch.multinomial(probs, 1)``: the draws of ``generate(do_sample=True)`` for the same seed. On CPU,
     PyTorch draws one exponential variate per vocabulary entry (the exponential race), ~1.8 us per row
-    per 1,000 entries: 22-28 ms per step for 16 rows of SmolLM2's 49,152 entries on one thread."""
+    per 1,000 entries: 22-32 ms per step for 16 rows of SmolLM2's 49,152 entries on one thread."""
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
@@ -74,8 +74,8 @@ def draw_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     with probability ``probs[i] / sum(probs)``, computed from float64 running sums (their rounding, ~1e-16
     of the total, is far below float32's resolution of the probabilities themselves); a token of
     probability 0 (filtered out by top-k / top-p / min-p) is never drawn. One variate per row instead of
-    one per vocabulary entry: on one CPU thread, 16 rows x 49,152 entries take ~1.4 ms against
-    ``torch.multinomial``'s 22-28 ms. The rows go in blocks of 16, whose float64 sums stay in cache.
+    one per vocabulary entry: on one CPU thread, 16 rows x 49,152 entries take 1.4-2.1 ms against
+    ``torch.multinomial``'s 22-32 ms. The rows go in blocks of 16, whose float64 sums stay in cache.
 
     Raises:
         ValueError: a row whose probabilities are not finite or sum to zero (as ``torch.multinomial``).

@@ -536,7 +536,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "draw each step's tokens by inverting each row's cumulative distribution (one uniform variate "
             "per row and a float64 running sum; rlhf_trainers.generation.draw_inverse_cdf) instead of "
             "torch.multinomial, which on CPU draws one exponential variate per vocabulary entry: 16 rows x "
-            "49,152 entries (SmolLM2) 1.4 instead of 22-28 ms per decoding step on one thread, ~1.5 s of a "
+            "49,152 entries (SmolLM2) 1.4-2.1 instead of 22-32 ms per decoding step on one thread, ~1.5 s of a "
             "64-token PPO rollout. The same distribution (each token with its probability, never one that "
             "top_k/top_p/min_p exclude), other draws for a seed: the builtin loop then no longer "
             "reproduces generate(do_sample=True)'s tokens for the same seed. False: torch.multinomial, "
