@@ -1,9 +1,9 @@
 """The builtin sampling loop (``rlhf_trainers.generation.builtin``), its lean decoding steps
 (``rlhf_trainers.cpu_speedups``), ``generation_loop`` and ``rollout_logprobs``.
 
-The loop must draw what ``generate(do_sample=True, top_k=0, top_p=1)`` draws for the same seed, ignore the
-model's ``generation_config.json``, and return the log-probs and entropies the trainer's forward pass
-computes for the same tokens, so the rollout can skip that pass."""
+The loop (with its default draw, ``torch.multinomial``) must draw what ``generate(do_sample=True, top_k=0,
+top_p=1)`` draws for the same seed, ignore the model's ``generation_config.json``, and return the log-probs
+and entropies the trainer's forward pass computes for the same tokens, so the rollout can skip that pass."""
 
 from __future__ import annotations
 
