@@ -209,7 +209,11 @@ def test_default_demo_raises_the_hidden_true_reward_with_ppo_and_rloo(kit, tmp_p
         first, last = rows[:10], rows[-10:]
         mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
         assert mean(last, "true_reward") > mean(first, "true_reward") + 0.3, kind
-        assert mean(last, "objective/kl") > mean(first, "objective/kl"), kind
+        # The first rollout samples from the reference itself; the trained policy has moved away from it.
+        # (Not "the KL rises monotonically": RLOO's KL can peak in the first updates, and where that peak
+        # falls depends on the CPU's float kernels: it did on an AMD EPYC and not on an Intel Xeon.)
+        assert abs(rows[0]["objective/kl"]) < 1e-3, (kind, rows[0]["objective/kl"])
+        assert 0.5 < mean(last, "objective/kl") < 20.0, kind
 
 
 def test_the_demo_samples_through_the_engines_public_steps_only():
