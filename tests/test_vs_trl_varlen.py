@@ -3,6 +3,7 @@ prompts it writes, the FLOPs of real tokens only, the rate over the measured upd
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -119,3 +120,41 @@ def test_the_report_states_the_variable_length_job() -> None:
     report.update(machine="m", torch="t", transformers="x", trl_versions=["1"], updates={"135m": 3})
     report["matmul"] = {"sizes": {"1024": {}}}
     assert "response_length 64 (at most; responses stop at EOS)" in vs_trl.settings_text(report)
+
+
+def test_a_vllm_report_describes_vllm_generation_on_both_sides_not_the_builtin_loop() -> None:
+    builtin = vs_trl.unmatched_notes(["rloo"], fixed_length=False)
+    notes = vs_trl.unmatched_notes(["rloo", "grpo"], fixed_length=False, vllm=True)
+    assert vs_trl.SAMPLER_NOTE in builtin and vs_trl.SAMPLER_NOTE not in notes
+    assert not any(n.startswith(vs_trl.BUILTIN_GENERATION_NOTES_START) for n in notes)
+    assert all(n in notes for n in vs_trl.VLLM_NOTES)
+    assert any("reload_weights" in n for n in notes)  # the one change on TRL's side is stated
+    assert any("bfloat16" in n for n in notes)  # and the engines' precisions
+    result = {**varlen_result(), "versions": {"vllm": "0.32.0"}, "torch_threads": 1}
+    result["model_flops_per_sec"], result["fraction_of_matmul_rate"] = 2.0, 0.5
+    report = {
+        "settings": {**result["settings"], "mini_batches": 1, "rloo_k": 2, "use_vllm": True},
+        "results": [result],
+        "machine": "m",
+        "torch": "t",
+        "transformers": "x",
+        "trl_versions": ["1"],
+        "updates": {"135m": 3},
+        "matmul": {"sizes": {"1024": {}}},
+    }
+    assert "generation: vLLM 0.32.0 colocated on both sides" in vs_trl.settings_text(report)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--algos", "ppo", "--vllm"], "TRL's PPO (1.12) has no vLLM path"),
+        (["--algos", "grpo", "--vllm", "--trl-generation", "continuous_batching"], "choose one generation"),
+    ],
+)
+def test_vllm_runs_that_cannot_be_matched_are_refused(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["vs_trl.py", "--sizes", "135m", *argv])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        vs_trl.main()
