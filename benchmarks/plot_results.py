@@ -190,7 +190,12 @@ def _include(pattern: str, exclude: str | tuple[str, ...] | None = None) -> str:
 
 
 def table_vs_trl() -> str:
-    return _include("vs_trl*.md", exclude=("vs_trl_grpo", "vs_trl_varlen"))
+    return _include("vs_trl*.md", exclude=("vs_trl_grpo", "vs_trl_varlen", "vs_trl_vllm"))
+
+
+def table_vs_trl_vllm() -> str:
+    """RLOO against the newest TRL's with both on colocated vLLM (``vs_trl.py --vllm``, issue #22)."""
+    return _include("vs_trl_vllm*.md")
 
 
 def table_vs_trl_grpo() -> str:
@@ -272,6 +277,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "learning_vs_trl": table_learning_vs_trl,
     "vs_trl_grpo": table_vs_trl_grpo,
     "vs_trl_varlen": table_vs_trl_varlen,
+    "vs_trl_vllm": table_vs_trl_vllm,
     "learning_vs_trl_grpo": table_learning_vs_trl_grpo,
     "learning_vs_trl_real": table_learning_vs_trl_real,
     "long_run_memory": table_long_run_memory,

