@@ -532,3 +532,66 @@ def test_the_trainer_decodes_on_prepacked_weights_by_default_and_not_when_asked(
         trainer = _trainer(kit, tmp_path / name, **extra)
         assert trainer.generation_backend.fast_steps is lean_llama_steps, name
         assert "MKL-prepacked" not in trainer.batch_accounting(), name
+
+
+# ---- shared prompt pass (rows that repeat a prompt: RLOO's and GRPO's groups) -----------------------
+
+
+def test_shared_prompt_rows_groups_equal_prompts_whatever_sits_under_the_padding():
+    from rlhf_trainers.generation import shared_prompt_rows
+
+    ids = torch.tensor([[0, 5, 6], [1, 2, 3], [9, 5, 6], [1, 2, 3], [7, 7, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    first, inverse = shared_prompt_rows(ids, mask)
+    assert len(first) == 3  # rows 0 and 2 differ only under the padding; 1 and 3 are equal
+    assert torch.equal(ids[first][inverse] * mask, ids * mask)
+    assert torch.equal(mask[first][inverse], mask)
+    assert inverse[0] == inverse[2] and inverse[1] == inverse[3] and len(set(inverse.tolist())) == 3
+    assert shared_prompt_rows(ids[:2], mask[:2]) is None  # all distinct: nothing to share
+    assert shared_prompt_rows(ids[:1], mask[:1]) is None
+
+
+@pytest.fixture
+def prompt_pass_rows(monkeypatch) -> list[int]:
+    """The batch size of every forward call of the kit's causal LM classes."""
+    from transformers import GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM
+
+    rows: list[int] = []
+    for cls in (LlamaForCausalLM, GPT2LMHeadModel, GPTNeoXForCausalLM):
+        real = cls.forward
+
+        def recording(self, *args, _real=real, **kwargs):
+            rows.append(kwargs["input_ids"].shape[0])
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", recording)
+    return rows
+
+
+@pytest.mark.parametrize(("name", "lean"), [("llama-sft", True), ("llama-sft", False), ("gpt2", False)])
+def test_repeated_prompts_run_their_prompt_pass_once_and_sample_as_the_full_pass_does(
+    kit, prompts, prompt_pass_rows, name, lean
+):
+    """Groups of k = 3 copies of 4 prompts (k-major, as a trainer repeats them): the prompt pass runs on 4
+    rows, and the samples (tokens, log-probs, entropies) are those of the pass over all 12 rows."""
+    model = kit.load_model(name).eval()
+    tok, ids, mask = prompts
+    ids, mask = ids[:4].repeat(3, 1), mask[:4].repeat(3, 1)
+    settings = SamplingSettings(
+        max_new_tokens=10,
+        temperature=0.9,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=[tok.eos_token_id],
+        return_logprobs=True,
+    )
+    runs = []
+    for share in (True, False):
+        prompt_pass_rows.clear()
+        torch.manual_seed(11)
+        steps = lean_llama_steps if lean else None
+        runs.append(sample_with_kv_cache(model, ids, mask, settings, steps, share_prompt_pass=share))
+        assert prompt_pass_rows[0] == (4 if share else 12)
+        assert all(n == 12 for n in prompt_pass_rows[1:])  # decoding steps (model forward) on every row
+    shared, full = runs
+    _assert_same_samples(shared, full)
+    assert not torch.equal(shared.tokens[:4], shared.tokens[4:8])  # the copies drew their own tokens

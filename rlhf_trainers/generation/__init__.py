@@ -20,6 +20,7 @@ from .builtin import (
     draw_inverse_cdf,
     draw_multinomial,
     sample_with_kv_cache,
+    shared_prompt_rows,
 )
 from .factory import GENERATION_LOOPS, make_generation_backend
 from .transformers_generate import TransformersGenerate, generation_config_set_aside
@@ -41,4 +42,5 @@ __all__ = [
     "generation_config_set_aside",
     "make_generation_backend",
     "sample_with_kv_cache",
+    "shared_prompt_rows",
 ]

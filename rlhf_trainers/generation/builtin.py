@@ -34,6 +34,7 @@ __all__ = [
     "draw_inverse_cdf",
     "draw_multinomial",
     "sample_with_kv_cache",
+    "shared_prompt_rows",
 ]
 
 
@@ -99,6 +100,54 @@ def draw_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     return torch.cat(drawn) if len(drawn) > 1 else drawn[0]
 
 
+def shared_prompt_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where rows of a left-padded prompt batch (B, T) repeat one another (RLOO's and GRPO's k completions of
+    one prompt): ``(first, inverse)``, the index of one row of each distinct prompt (U,) and, for every row,
+    the position of its prompt in ``first`` (B,), so that ``rows[first][inverse]`` equals ``rows``; None
+    when all B rows differ. Two rows are the same prompt when their masks and their tokens under the mask
+    agree (what sits under the padding does not matter)."""
+    B = input_ids.shape[0]
+    if B < 2:
+        return None
+    mask = attention_mask.to(input_ids.dtype)
+    distinct, inverse = torch.unique(torch.cat([mask, input_ids * mask], dim=1), dim=0, return_inverse=True)
+    if distinct.shape[0] == B:
+        return None
+    rows = torch.arange(B, device=input_ids.device)
+    first = torch.full((distinct.shape[0],), B, dtype=rows.dtype, device=rows.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")
+    return first, inverse
+
+
+def _prompt_pass(
+    model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, share: bool
+) -> tuple[Any, torch.Tensor]:
+    """The prompt pass of :func:`sample_with_kv_cache`: the model output (its cache holding the prompt's keys
+    and values for all B rows) and the last position's logits (B, V). With ``share``, a prompt that several
+    rows repeat runs once (:func:`shared_prompt_rows`) and its keys, values and logits are copied to its
+    rows (the cache's ``batch_select_indices``); a cache without that method gets the full pass instead."""
+    shared = shared_prompt_rows(input_ids, mask) if share else None
+    if shared is not None:
+        first, inverse = shared
+        out = model(
+            input_ids=input_ids[first],
+            attention_mask=mask[first],
+            position_ids=positions[first],
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = getattr(out, "past_key_values", None)
+        if hasattr(cache, "batch_select_indices"):
+            cache.batch_select_indices(inverse)
+            return out, out.logits[inverse, -1, :]
+    out = model(
+        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
+    return out, out.logits[:, -1, :]
+
+
 @torch.no_grad()
 def sample_with_kv_cache(
     model: nn.Module,
@@ -107,6 +156,7 @@ def sample_with_kv_cache(
     settings: SamplingSettings,
     fast_steps: FastStepsProvider | None = None,
     draw: Draw = draw_multinomial,
+    share_prompt_pass: bool = True,
 ) -> Samples:
     """The loop itself (the model as it is, no context): ``n <= max_new_tokens`` columns, fewer when every
     row stopped early.
@@ -118,6 +168,13 @@ def sample_with_kv_cache(
     row's stop token (:func:`rlhf_trainers.models.readable_ids`); the returned tokens hold the pad id.
     ``draw`` picks each step's tokens from the probabilities (:func:`draw_multinomial`: ``generate``'s
     draws; :func:`draw_inverse_cdf`: the same distribution, faster on CPU).
+
+    ``share_prompt_pass``: rows that repeat a prompt (RLOO's and GRPO's k completions per prompt) share its
+    prompt pass: each distinct prompt runs through the model once, and its keys, values and last logits are
+    copied to every row that repeats it (:func:`shared_prompt_rows`). The same arithmetic per row, so the
+    same distribution; only the batch of the prompt pass shrinks (by k for groups of k), which can move
+    the logits by float rounding (a GEMM's summation order may depend on its row count) and so, very
+    rarely, a draw. Off: the prompt pass runs all B rows, as ``generate`` does.
     """
     rows = embedding_rows(model)
     input_ids = readable_ids(input_ids, settings.pad_token_id, rows)
@@ -129,10 +186,7 @@ def sample_with_kv_cache(
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
-    out = model(
-        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-    )
-    logits = out.logits[:, -1, :]
+    out, logits = _prompt_pass(model, input_ids, mask, positions, share_prompt_pass)
     steps = fast_steps(model, out, mask, settings.max_new_tokens) if fast_steps is not None else None
     for step in range(settings.max_new_tokens):
         # float32, as generate() does before its logits processors.
@@ -189,6 +243,8 @@ class BuiltinSampling:
         fast_steps: a provider of faster decoding steps, asked at every call (it may decline).
         draw: how each step's tokens are drawn from the probabilities (default :func:`draw_multinomial`,
             ``generate``'s draws for a seed).
+        share_prompt_pass: rows that repeat a prompt share its prompt pass (see
+            :func:`sample_with_kv_cache`; default True).
         name: what the batch accounting prints.
     """
 
@@ -202,12 +258,14 @@ class BuiltinSampling:
         contexts: tuple[ContextFactory | None, ...] = (),
         fast_steps: FastStepsProvider | None = None,
         draw: Draw = draw_multinomial,
+        share_prompt_pass: bool = True,
         name: str = "builtin",
     ) -> None:
         self.model = model
         self.contexts = contexts
         self.fast_steps = fast_steps
         self.draw = draw
+        self.share_prompt_pass = share_prompt_pass
         self.name = name
 
     @torch.no_grad()
@@ -217,6 +275,12 @@ class BuiltinSampling:
         """See :meth:`GenerationBackend.sample`."""
         with entered(self.contexts), eval_mode(self.model):
             samples = sample_with_kv_cache(
-                self.model, query_ids, query_mask, settings, self.fast_steps, draw=self.draw
+                self.model,
+                query_ids,
+                query_mask,
+                settings,
+                self.fast_steps,
+                draw=self.draw,
+                share_prompt_pass=self.share_prompt_pass,
             )
         return padded_to(samples, settings.max_new_tokens, settings.pad_token_id)
