@@ -332,6 +332,9 @@ class LeanLlamaSteps:
         # the weight in autocast's dtype under CPU autocast.
         self.merged: dict[nn.Module, tuple[Tensor, Tensor | None]] = {}
         self.rows = 0
+        # The row count the packed weights were packed for: MKL's packed product needs exactly that many
+        # rows; after select_rows() drops some, the steps multiply by the weights themselves.
+        self.packed_rows = 0
         # Whether the MLPs are exactly transformers' LlamaMLP (their arithmetic is spelled out in step()).
         self.llama_mlp = False
 
@@ -380,7 +383,7 @@ class LeanLlamaSteps:
             return steps
         from transformers.models.llama import modeling_llama as llama
 
-        steps.rows = B
+        steps.rows = steps.packed_rows = B
         steps.llama_mlp = all(type(layer.mlp) is llama.LlamaMLP for layer in lm.model.layers)
         prepack = prepack and mkl_prepacked_linear_available()
         half = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
@@ -402,12 +405,22 @@ class LeanLlamaSteps:
         packed = self.packed.get(module)
         if packed is not None:
             weights, weight, bias = packed
+            if self.rows != self.packed_rows:
+                return _LINEAR(x, weight, bias)
             y = torch.ops.mkl._mkl_linear(x.reshape(self.rows, -1), weights, weight, bias, self.rows)
             return y.view(self.rows, 1, -1)
         merged = self.merged.get(module)
         if merged is not None:
             return _LINEAR(x, *merged)
         return module(x)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows ``index`` (A,) of the cache, in that order (the builtin loop's
+        ``drop_finished_rows``)."""
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        self.attend = self.attend.index_select(0, index)
+        self.rows = int(index.numel())
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of the next position after ``token`` (B,) at ``position`` (B, 1)."""

@@ -123,6 +123,81 @@ def test_fused_head_under_bf16_autocast_is_autocasts_lm_head_in_both_passes(with
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_kept_logits_skip_the_backward_matmul_with_the_same_values_and_gradients(monkeypatch, with_entropy):
+    # keep_logits_bytes >= N x V floats: the forward keeps the logits it computed and the backward rebuilds
+    # no tile (no lm-head matmul); log-probs bit for bit, gradients as the rebuilding path's.
+    from rlhf_trainers.functional import logprob_kernels
+
+    torch.manual_seed(4)
+    N, H, V = 29, 8, 300
+    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V, dtype=torch.float64, requires_grad=True)
+    tok = torch.randint(0, V, (N,))
+    g, g_ent = torch.randn(N, dtype=torch.float64), torch.randn(N, dtype=torch.float64)
+    calls: list[int] = []
+    tile = logprob_kernels._hidden_tile
+
+    def counting(*args):
+        calls.append(1)
+        return tile(*args)
+
+    monkeypatch.setattr(logprob_kernels, "_hidden_tile", counting)
+    results = {}
+    for name, budget in (("kept", N * V * 8), ("rebuilt", N * V * 8 - 1)):
+        lp, ent = F.logprobs_and_entropy_from_hidden(
+            h,
+            w,
+            tok,
+            0.7,
+            bias=b,
+            row_chunk_size=8,
+            vocab_chunk_size=64,
+            with_entropy=with_entropy,
+            keep_logits_bytes=budget,
+        )
+        forward_calls, calls[:] = len(calls), []
+        loss = (lp * g).sum() + ((ent * g_ent).sum() if with_entropy else 0)
+        results[name] = (lp, ent, torch.autograd.grad(loss, [h, w, b]), forward_calls, len(calls))
+        calls[:] = []
+    kept, rebuilt = results["kept"], results["rebuilt"]
+    assert kept[3] == rebuilt[3] == 4 * 5  # the forward's tiles: 4 row chunks x 5 vocabulary chunks
+    assert kept[4] == 0 and rebuilt[4] > 0
+    assert torch.equal(kept[0], rebuilt[0])
+    if with_entropy:
+        assert torch.equal(kept[1], rebuilt[1])
+    for got, want in zip(kept[2], rebuilt[2], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    logits = (h @ w.t() + b) / 0.7
+    lp_ref = torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
+    loss_ref = (lp_ref * g).sum()
+    if with_entropy:
+        p = torch.softmax(logits, -1)
+        loss_ref = loss_ref + (-(p * torch.log_softmax(logits, -1)).sum(-1) * g_ent).sum()
+    for got, want in zip(kept[2], torch.autograd.grad(loss_ref, [h, w, b]), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_kept_logits_only_when_a_gradient_is_needed():
+    # Without a gradient (the rollout's no-grad passes) nothing is kept, whatever the budget.
+    torch.manual_seed(5)
+    h, w, tok = torch.randn(6, 4), torch.randn(20, 4), torch.randint(0, 20, (6,))
+    saved: list[torch.Size] = []
+
+    def pack(t):
+        saved.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.logprobs_and_entropy_from_hidden(h, w, tok, keep_logits_bytes=1 << 20)
+        assert (6, 20) not in saved
+        F.logprobs_and_entropy_from_hidden(h, w.requires_grad_(), tok, keep_logits_bytes=1 << 20)
+        assert (6, 20) in saved
+    with pytest.raises(ValueError, match="keep_logits_bytes"):
+        F.logprobs_and_entropy_from_hidden(h, w, tok, keep_logits_bytes=-1)
+
+
 def test_fused_head_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="same H"):
         F.logprobs_and_entropy_from_hidden(
@@ -157,15 +232,26 @@ def _saved_vocab_activations(trainer, vocab: int) -> int:
 
 
 def test_the_trainer_uses_it_for_the_kit_model_and_keeps_no_logits_for_backward(kit, tmp_path):
-    fused = _trainer(kit, tmp_path / "fused", response_length=8)
+    fused = _trainer(kit, tmp_path / "fused", response_length=8, fused_lm_head_kept_logits_mib=0)
     plain = _trainer(kit, tmp_path / "plain", response_length=8, fused_lm_head=False)
+    kept = _trainer(kit, tmp_path / "kept", response_length=8)  # the default budget: 256 MiB
     assert fused._fused_policy and fused._fused_ref
     assert not plain._fused_policy and not plain._fused_ref
     vocab = fused.policy.get_output_embeddings().weight.shape[0]
     logits_elems = 4 * 8 * vocab
-    # The logits path saves the (4, 8, V) logits for its backward pass; the fused head saves none.
+    # The logits path saves the (4, 8, V) logits for its backward pass (and more: the log-softmax's
+    # chunks); the fused head saves none, or within its budget the logits of the valid response
+    # positions once (at most the (4, 8, V) of the micro-batch).
     assert _saved_vocab_activations(plain, vocab) >= logits_elems
     assert _saved_vocab_activations(fused, vocab) == 0
+    assert 0 < _saved_vocab_activations(kept, vocab) <= logits_elems
+
+
+def test_the_kept_logits_budget_is_checked_at_construction():
+    from rlhf_trainers import PPOConfig
+
+    with pytest.raises(ValueError, match="fused_lm_head_kept_logits_mib=-1"):
+        PPOConfig(output_dir="unused", fused_lm_head_kept_logits_mib=-1)
 
 
 def test_training_with_and_without_it_gives_the_same_model(kit, tmp_path):

@@ -401,7 +401,9 @@ def test_mkl_prepacked_decoding_samples_what_the_forward_samples(
     # Every plain linear layer of the model (lm head included) was packed once, for the batch's 8 rows.
     (steps,) = built
     linears = [m for m in policy.modules() if type(m) is torch.nn.Linear]
-    assert set(steps.packed) == set(linears) and steps.rows == ids.shape[0] and steps.llama_mlp
+    assert set(steps.packed) == set(linears) and steps.packed_rows == ids.shape[0] and steps.llama_mlp
+    if stop:  # rows stopped and were dropped: the later steps multiplied by the weights themselves
+        assert steps.rows < steps.packed_rows
 
 
 def _with_and_without(provider, model, prompts, max_new_tokens: int) -> list:
@@ -589,9 +591,85 @@ def test_repeated_prompts_run_their_prompt_pass_once_and_sample_as_the_full_pass
         prompt_pass_rows.clear()
         torch.manual_seed(11)
         steps = lean_llama_steps if lean else None
-        runs.append(sample_with_kv_cache(model, ids, mask, settings, steps, share_prompt_pass=share))
+        runs.append(
+            sample_with_kv_cache(
+                model, ids, mask, settings, steps, share_prompt_pass=share, drop_finished_rows=False
+            )
+        )
         assert prompt_pass_rows[0] == (4 if share else 12)
         assert all(n == 12 for n in prompt_pass_rows[1:])  # decoding steps (model forward) on every row
     shared, full = runs
     _assert_same_samples(shared, full)
     assert not torch.equal(shared.tokens[:4], shared.tokens[4:8])  # the copies drew their own tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "steps_kind"),
+    [("llama-sft", "lean"), ("llama-sft", "prepacked"), ("llama-sft", "forward"), ("gpt2", "forward")],
+)
+def test_dropping_stopped_rows_samples_what_the_full_batch_samples(
+    kit, prompts, prompt_pass_rows, monkeypatch, name, steps_kind
+):
+    """With ``drop_finished_rows`` the decoding steps run on fewer rows once a quarter have stopped (the
+    cache shrinks with them), and the samples (tokens, log-probs, entropies) are those of the loop that
+    runs every row to the end: the draws still consume the random numbers of all rows."""
+    from rlhf_trainers import cpu_speedups
+
+    model = kit.load_model(name).eval()
+    tok, ids, mask = prompts
+    provider = {
+        "lean": lean_llama_steps,
+        "prepacked": cpu_speedups.lean_llama_steps_prepacked,
+        "forward": None,
+    }[steps_kind]
+    selected: list[int] = []
+    select = cpu_speedups.LeanLlamaSteps.select_rows
+
+    def recording(self, index):
+        selected.append(int(index.numel()))
+        return select(self, index)
+
+    monkeypatch.setattr(cpu_speedups.LeanLlamaSteps, "select_rows", recording)
+    # Stop tokens that some rows sample early (the kit models rarely sample EOS): the third tokens of
+    # three rows of a run from the same seed.
+    torch.manual_seed(7)
+    unstopped = sample_with_kv_cache(model, ids, mask, SamplingSettings(3, tok.pad_token_id, 1.3))
+    settings = SamplingSettings(
+        max_new_tokens=24,
+        temperature=1.3,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=sorted({tok.eos_token_id, *unstopped.tokens[:3, 2].tolist()}),
+        return_logprobs=True,
+    )
+    runs, rows_per_step = [], []
+    for drop in (True, False):
+        prompt_pass_rows.clear()
+        torch.manual_seed(7)
+        runs.append(sample_with_kv_cache(model, ids, mask, settings, provider, drop_finished_rows=drop))
+        rows_per_step.append(list(prompt_pass_rows))
+    dropped, full = runs
+    _assert_same_samples(dropped, full)
+    B = ids.shape[0]
+    lengths = (full.tokens != tok.pad_token_id).sum(1)
+    assert lengths.min() < full.tokens.shape[1] - 2  # rows stopped early: there was something to drop
+    if steps_kind == "forward":
+        assert all(n == B for n in rows_per_step[1])  # the full loop: every step on all B rows
+        assert min(rows_per_step[0]) < B  # later steps ran on the rows still sampling
+        assert rows_per_step[0] == sorted(rows_per_step[0], reverse=True)
+    else:
+        assert selected and selected == sorted(selected, reverse=True) and selected[-1] < B
+
+
+def test_dropping_stopped_rows_keeps_the_draws_of_generate(policy, prompts):
+    # torch.multinomial, the default draw, consumes the random numbers of every row it is given: the loop
+    # gives it all rows' probabilities, so its tokens stay generate()'s for the same seed.
+    tok, ids, mask = prompts
+    torch.manual_seed(21)
+    expected = _hf(policy, ids, mask, 24, 1.3, tok.pad_token_id, [tok.eos_token_id])
+    torch.manual_seed(21)
+    settings = SamplingSettings(
+        max_new_tokens=24, temperature=1.3, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id]
+    )
+    got = sample_with_kv_cache(policy, ids, mask, settings, lean_llama_steps)
+    assert (expected == tok.eos_token_id).sum() >= ids.shape[0] // 4  # enough rows stopped to drop
+    assert torch.equal(got.tokens, expected)

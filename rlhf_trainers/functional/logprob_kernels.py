@@ -267,7 +267,9 @@ class _HiddenTokenLogprob(torch.autograd.Function):
     The forward pass walks (rows x vocabulary) tiles of the logits with an online logsumexp (running max
     ``m``, ``s = sum exp(z - m)``, ``t = sum exp(z - m) * z`` for the entropy), keeping one tile at a
     time; it saves ``hidden``, the weights and the per-row logsumexp (and entropy). The backward pass
-    recomputes each tile's logits (one more lm-head matmul) and accumulates ``d hidden = dz @ W_tile`` and
+    recomputes each tile's logits (one more lm-head matmul), or, with ``keep_logits``, reads them from the
+    (N, V) logits that the forward pass wrote tile by tile (the same values: no matmul, N x V floats held
+    from forward to backward), and accumulates ``d hidden = dz @ W_tile`` and
     ``d W_tile = dz.T @ hidden`` from ``dz = g * (onehot - softmax) / T`` (plus, when the entropy is in the
     loss, ``-g_H * p * (log p + H) / T``), over tiles of as many logits as the forward's but more rows
     (:func:`_backward_tile`).
@@ -285,8 +287,10 @@ class _HiddenTokenLogprob(torch.autograd.Function):
         vocab_chunk: int,
         dtype: torch.dtype,
         with_entropy: bool,
+        keep_logits: bool,
     ) -> tuple[Tensor, Tensor]:
         N, V = hidden.shape[0], weight.shape[0]
+        kept = torch.empty(N, V, dtype=dtype, device=hidden.device) if keep_logits else None
         out = torch.empty(N, dtype=dtype, device=hidden.device)
         lse = torch.empty(N, dtype=dtype, device=hidden.device)
         entropy = torch.empty(N if with_entropy else 0, dtype=dtype, device=hidden.device)
@@ -307,6 +311,8 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
                 z = _hidden_tile(h, w_mm, b_mm, v0, v1, dtype, temperature)
+                if kept is not None:
+                    kept[r0:r1, v0:v1] = z
                 m_new = torch.maximum(m, z.amax(dim=-1))
                 scale = torch.exp(m - m_new)
                 e = torch.exp(z - m_new.unsqueeze(-1))
@@ -322,7 +328,8 @@ class _HiddenTokenLogprob(torch.autograd.Function):
             out[r0:r1] = target - row_lse
             if with_entropy:
                 entropy[r0:r1] = row_lse - t / s
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
+        # The kept logits (an intermediate, no gradient of its own) are freed with the other saved tensors.
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy, kept)
         ctx.temperature, ctx.row_chunk, ctx.vocab_chunk = temperature, row_chunk, vocab_chunk
         ctx.set_materialize_grads(False)  # an unused output (the entropy, usually) gets None, not zeros
         # The backward pass rebuilds the tiles under the forward's autocast state (bf16 autocast: the
@@ -337,7 +344,7 @@ class _HiddenTokenLogprob(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_out: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, tokens, lse, entropy, kept = ctx.saved_tensors
         temperature = ctx.temperature
         row_chunk, vocab_chunk = _backward_tile(
             hidden.shape[0], weight.shape[0], ctx.row_chunk, ctx.vocab_chunk
@@ -365,15 +372,19 @@ class _HiddenTokenLogprob(torch.autograd.Function):
                 gh, row_h = gh_all[r0:r1].unsqueeze(-1), entropy[r0:r1].unsqueeze(-1).to(lse.dtype)
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, V)
-                with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on and not cast):
-                    z = _hidden_tile(h, w_mm, b_mm, v0, v1, lse.dtype, temperature)
+                if kept is not None:  # the forward's logits: a new tensor holds z - lse
+                    shifted = kept[r0:r1, v0:v1] - row_lse
+                else:
+                    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on and not cast):
+                        z = _hidden_tile(h, w_mm, b_mm, v0, v1, lse.dtype, temperature)
+                    shifted = z.sub_(row_lse)
                 inside = (token_ids >= v0) & (token_ids < v1)
                 local = (token_ids - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
                 hits = g * inside.unsqueeze(-1).to(g.dtype)
                 if gh_all is None:
-                    dz = _logprob_grad(z.sub_(row_lse), g, local, hits, temperature)
+                    dz = _logprob_grad(shifted, g, local, hits, temperature)
                 else:
-                    log_p = z.sub_(row_lse)
+                    log_p = shifted
                     p = log_p.exp()
                     dz = p.mul_(-(g + gh * (log_p + row_h)))
                     dz.scatter_add_(-1, local, hits)
@@ -399,7 +410,7 @@ class _HiddenTokenLogprob(torch.autograd.Function):
                             grad_w[v0:v1].addmm_(dz.t(), h)
                 if grad_b is not None:
                     grad_b[v0:v1] += dz.sum(0).to(grad_b.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 #: The narrowest vocabulary tile :func:`_backward_tile` gives up columns for (more rows per tile).
@@ -468,6 +479,7 @@ def logprobs_and_entropy_from_hidden(
     vocab_chunk_size: int = 8192,
     compute_dtype: torch.dtype | None = None,
     with_entropy: bool = True,
+    keep_logits_bytes: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`logprobs_and_entropy_from_logits` of the logits ``hidden @ weight.T + bias`` (an lm head)
     without ever holding those logits: a fused lm head.
@@ -488,6 +500,12 @@ def logprobs_and_entropy_from_hidden(
         compute_dtype: dtype of the softmax arithmetic and of the results; None = ``weight``'s dtype.
         with_entropy: also return the entropy of ``softmax(logits / T)``, differentiable like the log-probs
             (an entropy bonus in the loss); else None.
+        keep_logits_bytes: when a gradient will be needed and the (N, V) logits in ``compute_dtype`` take at
+            most this many bytes, the forward pass keeps them (written tile by tile, as computed) and the
+            backward pass reads them instead of rebuilding each tile: one lm-head matmul less (2 N V H
+            FLOPs), N x V floats held from forward to backward. 0 (default): always rebuild. The log-probs
+            are the same either way; the gradients differ by float rounding only (the backward's tiles
+            are wider than the forward's, and a product's rounding may depend on its shape).
 
     Returns:
         ``(logprobs, entropy)`` of shape ``tokens.shape``; ``logprobs`` is differentiable w.r.t. ``hidden``,
@@ -506,6 +524,7 @@ def logprobs_and_entropy_from_hidden(
         )
     _check_dim_int("row_chunk_size", row_chunk_size, 1)
     _check_dim_int("vocab_chunk_size", vocab_chunk_size, 1)
+    _check_dim_int("keep_logits_bytes", keep_logits_bytes, 0)
     if isinstance(temperature, bool) or not temperature > 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
     if compute_dtype is not None and not compute_dtype.is_floating_point:
@@ -514,6 +533,10 @@ def logprobs_and_entropy_from_hidden(
     H = hidden.shape[-1]
     flat_h = hidden.reshape(-1, H)
     flat_t = tokens.reshape(-1).long()
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    logits_bytes = flat_h.shape[0] * weight.shape[0] * torch.empty((), dtype=dtype).element_size()
     out, entropy = _HiddenTokenLogprob.apply(
         flat_h,
         weight,
@@ -524,6 +547,7 @@ def logprobs_and_entropy_from_hidden(
         vocab_chunk_size,
         dtype,
         with_entropy,
+        needs_grad and 0 < logits_bytes <= keep_logits_bytes,
     )
     return out.reshape(tokens.shape), (entropy.reshape(tokens.shape) if with_entropy else None)
 

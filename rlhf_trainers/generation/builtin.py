@@ -39,7 +39,9 @@ __all__ = [
 
 
 class FastDecodingSteps(Protocol):
-    """Decoding steps that replace the model's forward after the prompt pass."""
+    """Decoding steps that replace the model's forward after the prompt pass. Steps that can also drop rows
+    have a ``select_rows(index)`` method (:func:`sample_with_kv_cache`'s ``drop_finished_rows``): keep only
+    the rows ``index`` (A,) of their state, in that order."""
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of the position after ``token`` (B,), which sits at ``position`` (B, 1)."""
@@ -57,6 +59,8 @@ Draw = Callable[[torch.Tensor], torch.Tensor]
 
 #: Rows per block of :func:`draw_inverse_cdf`: a block's float64 running sums stay in the CPU's cache.
 _INVERSE_CDF_ROWS = 16
+
+_DROP_DIVISOR = 4
 
 
 def draw_multinomial(probs: torch.Tensor) -> torch.Tensor:
@@ -157,6 +161,7 @@ def sample_with_kv_cache(
     fast_steps: FastStepsProvider | None = None,
     draw: Draw = draw_multinomial,
     share_prompt_pass: bool = True,
+    drop_finished_rows: bool = True,
 ) -> Samples:
     """The loop itself (the model as it is, no context): ``n <= max_new_tokens`` columns, fewer when every
     row stopped early.
@@ -175,6 +180,15 @@ def sample_with_kv_cache(
     same distribution; only the batch of the prompt pass shrinks (by k for groups of k), which can move
     the logits by float rounding (a GEMM's summation order may depend on its row count) and so, very
     rarely, a draw. Off: the prompt pass runs all B rows, as ``generate`` does.
+
+    ``drop_finished_rows``: once a quarter or more of the rows the model runs have stopped, the decoding
+    steps go on without them (their keys and values are dropped from the cache; the fast steps' or the
+    cache's ``select_rows`` / ``batch_select_indices``; without one, every row runs to the end, as
+    ``generate`` does). A batch whose lengths spread (responses that stop at EOS) then spends its steps on
+    the rows still sampling. The draws stay those of the full batch: ``draw`` is still given all B rows'
+    probabilities (a stopped row's last ones), so the random numbers it consumes, and the tokens of the
+    rows still sampling, are those of the loop without dropping, up to the float rounding of products
+    over fewer rows.
     """
     rows = embedding_rows(model)
     input_ids = readable_ids(input_ids, settings.pad_token_id, rows)
@@ -182,12 +196,23 @@ def sample_with_kv_cache(
     positions = (mask.cumsum(1) - 1).clamp_min(0)
     next_position = mask.sum(1, keepdim=True)
     stops = torch.tensor(list(settings.stop_token_ids), dtype=input_ids.dtype, device=input_ids.device)
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    B = input_ids.shape[0]
+    # The rows the model still runs: `unfinished` and the step's tensors have one entry per such row;
+    # `active` holds their rows of the batch (None: all B, in order).
+    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    active: torch.Tensor | None = None
+    # Once rows are dropped: the probabilities of all B rows that `draw` is given (a dropped row's last).
+    all_probs: torch.Tensor | None = None
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
     out, logits = _prompt_pass(model, input_ids, mask, positions, share_prompt_pass)
     steps = fast_steps(model, out, mask, settings.max_new_tokens) if fast_steps is not None else None
+    if steps is not None:
+        droppable = hasattr(steps, "select_rows")
+    else:
+        droppable = hasattr(getattr(out, "past_key_values", None), "batch_select_indices")
+    droppable = droppable and drop_finished_rows and bool(stops.numel())
     for step in range(settings.max_new_tokens):
         # float32, as generate() does before its logits processors.
         scores = logits.to(dtype=torch.float32, copy=True)
@@ -196,23 +221,43 @@ def sample_with_kv_cache(
         probs = torch.softmax(scores, dim=-1)
         # top-k / top-p / min-p restrict what is drawn; the log-probs below stay those of `scores`
         drawn_from = torch.softmax(filtered_scores(scores, settings), dim=-1) if settings.filters else probs
-        token = draw(drawn_from)
+        if active is None:
+            token = draw(drawn_from)
+        else:
+            token = draw(all_probs.index_copy_(0, active, drawn_from)).index_select(0, active)
         token = torch.where(unfinished, token, torch.full_like(token, settings.pad_token_id))
-        tokens.append(token)
+        tokens.append(_all_rows(token, active, B, settings.pad_token_id))
         # What the model reads back: a stopped row's pad id as an id it has (its outputs are unused).
         fed = readable_ids(token, settings.pad_token_id, rows)
         if settings.return_logprobs:
             log_probs = torch.log_softmax(scores, dim=-1)
             chosen = log_probs.gather(1, fed[:, None]).squeeze(1)
             entropy = -(probs * log_probs).nan_to_num().sum(-1)  # 0 * -inf at masked-out tokens counts 0
-            logprobs.append(torch.where(unfinished, chosen, torch.zeros_like(chosen)))
-            entropies.append(torch.where(unfinished, entropy, torch.zeros_like(entropy)))
+            chosen = torch.where(unfinished, chosen, torch.zeros_like(chosen))
+            entropy = torch.where(unfinished, entropy, torch.zeros_like(entropy))
+            logprobs.append(_all_rows(chosen, active, B, 0))
+            entropies.append(_all_rows(entropy, active, B, 0))
         if stops.numel():
             unfinished = unfinished & ~torch.isin(token, stops)
             if not bool(unfinished.any()):
                 break
         if step == settings.max_new_tokens - 1:
             break
+        if droppable:
+            running = unfinished.shape[0]
+            stopped = running - int(unfinished.sum())
+            if stopped and _DROP_DIVISOR * stopped >= running:
+                keep = unfinished.nonzero().squeeze(1)
+                if all_probs is None:
+                    all_probs = drawn_from.clone()
+                active = keep if active is None else active.index_select(0, keep)
+                fed, unfinished = fed.index_select(0, keep), unfinished.index_select(0, keep)
+                next_position = next_position.index_select(0, keep)
+                if steps is not None:
+                    steps.select_rows(keep)
+                else:
+                    out.past_key_values.batch_select_indices(keep)
+                    mask = mask.index_select(0, keep)
         if steps is not None:
             logits = steps.step(fed, next_position)
         else:
@@ -233,6 +278,14 @@ def sample_with_kv_cache(
     )
 
 
+def _all_rows(values: torch.Tensor, active: torch.Tensor | None, rows: int, fill: float) -> torch.Tensor:
+    """``values`` of the rows the model still runs (``active``, None: all) as a (rows,) tensor, ``fill`` at
+    the rows dropped."""
+    if active is None:
+        return values
+    return values.new_full((rows,), fill).index_copy_(0, active, values)
+
+
 class BuiltinSampling:
     """The builtin loop (:func:`sample_with_kv_cache`) as a :class:`~rlhf_trainers.generation.GenerationBackend`.
 
@@ -244,6 +297,8 @@ class BuiltinSampling:
         draw: how each step's tokens are drawn from the probabilities (default :func:`draw_multinomial`,
             ``generate``'s draws for a seed).
         share_prompt_pass: rows that repeat a prompt share its prompt pass (see
+            :func:`sample_with_kv_cache`; default True).
+        drop_finished_rows: the decoding steps go on without the rows that stopped (see
             :func:`sample_with_kv_cache`; default True).
         name: what the batch accounting prints.
     """
@@ -259,6 +314,7 @@ class BuiltinSampling:
         fast_steps: FastStepsProvider | None = None,
         draw: Draw = draw_multinomial,
         share_prompt_pass: bool = True,
+        drop_finished_rows: bool = True,
         name: str = "builtin",
     ) -> None:
         self.model = model
@@ -266,6 +322,7 @@ class BuiltinSampling:
         self.fast_steps = fast_steps
         self.draw = draw
         self.share_prompt_pass = share_prompt_pass
+        self.drop_finished_rows = drop_finished_rows
         self.name = name
 
     @torch.no_grad()
@@ -282,5 +339,6 @@ class BuiltinSampling:
                 self.fast_steps,
                 draw=self.draw,
                 share_prompt_pass=self.share_prompt_pass,
+                drop_finished_rows=self.drop_finished_rows,
             )
         return padded_to(samples, settings.max_new_tokens, settings.pad_token_id)

@@ -274,6 +274,7 @@ def response_logprobs(
             row_chunk_size=chunk or max(hidden.shape[0] * hidden.shape[1], 1),
             compute_dtype=compute_dtype,
             with_entropy=with_entropy,
+            keep_logits_bytes=options.get("keep_logits_bytes", 0),
         )
         entropy = entropy.float() if entropy is not None else None
     else:

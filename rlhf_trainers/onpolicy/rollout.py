@@ -383,6 +383,7 @@ class RolloutSteps:
             "temperature": args.temperature,
             "chunk_size": args.logprob_chunk_size,
             "compute_dtype": torch.float32 if args.logprobs_in_fp32 else None,
+            "keep_logits_bytes": args.fused_lm_head_kept_logits_mib * 2**20,
         }
 
     def _sequence_inputs(
