@@ -486,17 +486,26 @@ SAMPLER_NOTE = (
     "(`inverse_cdf_sampling=True`, the default since the seventeenth session; 1.4-2.1 ms per step). The same "
     "distribution, other tokens for a seed."
 )
+STOPPED_ROWS_NOTE = (
+    "Generation: ours drops the rows that have stopped from its decoding steps once a quarter or more of the "
+    "running rows have (`drop_finished_rows`, the builtin loop's default since the twentieth session; the "
+    "draws are those of the full batch); `transformers.generate` (TRL) runs every row until all have "
+    "stopped."
+)
 UNMATCHED = [
     "Rollout log-probs: TRL's PPO takes them from the generation scores (`output_scores`, which keeps the "
     "logits of every generated token: batch x response x vocab floats); ours (PPO and RLOO) from its own "
     "sampling loop, which keeps one float per token (`rollout_logprobs='auto'` picks this in float32); "
     "TRL's RLOO runs a separate no-grad policy forward.",
     "Log-prob head: ours (PPO and RLOO) and TRL's RLOO compute log-probs from the final hidden states with a "
-    "fused lm head that never holds the response logits (ours: `fused_lm_head=True`, the default; each "
-    "rebuilds the logits in the backward pass); TRL's PPO runs the lm head and a log-softmax over full "
-    "logits.",
+    "fused lm head (ours: `fused_lm_head=True`, the default). TRL's RLOO never holds the response logits and "
+    "rebuilds them in the backward pass; so does ours above `fused_lm_head_kept_logits_mib` (256 MiB), and "
+    "below it (since the twentieth session; this job's micro-batches: ~340 response tokens x 49,152 "
+    "entries, ~64 MiB) it keeps the logits its forward pass computed for the backward pass. TRL's PPO runs "
+    "the lm head and a log-softmax over full logits.",
     ONEDNN_NOTE,
     SAMPLER_NOTE,
+    STOPPED_ROWS_NOTE,
     "Host memory: ours sets glibc's malloc to keep freed memory in the process (`reuse_host_memory=True`, "
     "opt-in, which the benchmark sets); TRL runs with glibc's defaults. TRL users can get the same effect from the "
     "environment (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647`).",
