@@ -188,7 +188,7 @@ def sample_with_kv_cache(
     the rows still sampling. The draws stay those of the full batch: ``draw`` is still given all B rows'
     probabilities (a stopped row's last ones), so the random numbers it consumes, and the tokens of the
     rows still sampling, are those of the loop without dropping, up to the float rounding of products
-    over fewer rows.
+    over fewer rows, which can, rarely, move a draw that falls at the edge of a token's share.
     """
     rows = embedding_rows(model)
     input_ids = readable_ids(input_ids, settings.pad_token_id, rows)
