@@ -482,7 +482,8 @@ def logprobs_and_entropy_from_hidden(
     keep_logits_bytes: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`logprobs_and_entropy_from_logits` of the logits ``hidden @ weight.T + bias`` (an lm head)
-    without ever holding those logits: a fused lm head.
+    without holding those logits (unless ``keep_logits_bytes`` lets small ones be kept for the backward
+    pass): a fused lm head.
 
     The logits are built one (``row_chunk_size`` x ``vocab_chunk_size``) tile at a time and reduced with
     an online logsumexp; the backward pass rebuilds each tile instead of keeping the (N, V) logits and

@@ -548,8 +548,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         metadata={
             "help": "Compute log-probs and entropy from the final hidden states through a fused lm head "
             "(rlhf_trainers.functional.logprobs_and_entropy_from_hidden) that never holds the (batch x "
-            "response x vocabulary) logits or their gradient; costs one more lm-head matmul in the "
-            "backward pass. Used for each model whose logits are exactly lm_head(final hidden state), "
+            "response x vocabulary) logits' gradient, nor the logits beyond fused_lm_head_kept_logits_mib "
+            "(those it rebuilds in the backward pass: one more lm-head matmul). Used for each model whose logits are exactly lm_head(final hidden state), "
             "checked once at construction; others (soft-capped or scaled logits, an adapter on the lm "
             "head), an lm head with forward hooks (which the fused path would not run) and ZeRO-3 keep "
             "the logits path. False: always the logits path."

@@ -231,7 +231,7 @@ def response_logprobs(
     With ``fused_head`` (see :func:`fused_head_matches`; ignored while the lm head has forward hooks,
     which the fused path would not run) the backbone's hidden states go through
     :func:`rlhf_trainers.functional.logprobs_and_entropy_from_hidden`, which never holds the (B, R, V)
-    logits or their gradient; otherwise the lm head's logits go through the chunked log-softmax.
+    logits' gradient, nor the logits beyond ``options["keep_logits_bytes"]``; otherwise the lm head's logits go through the chunked log-softmax.
 
     With ``packing`` (:func:`pack_sequences` of these inputs; for a model that passes
     :func:`~rlhf_trainers.packing.padding_free_matches`) the model runs on the packed rows instead, and the results of the
