@@ -159,20 +159,28 @@ def test_contexts_are_entered_around_each_call_and_the_mode_restored(kit, prompt
     assert model.training  # sampled in eval mode, then restored
 
 
-def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path):
-    from rlhf_trainers import RLOOConfig
+def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path, monkeypatch):
+    from rlhf_trainers import RLOOConfig, cpu_speedups
 
     base = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True}
     cpu = torch.device("cpu")
     plain = make_generation_backend(policy)  # reward normalization: the builtin loop as it is
     assert type(plain) is BuiltinSampling and plain.name == "builtin" and plain.fast_steps is None
+    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "GenuineIntel")
     builtin = make_generation_backend(policy, RLOOConfig(**base), device=cpu)
     assert type(builtin) is BuiltinSampling and builtin.logprobs_for_rollout
-    # On CPU with MKL's packed GEMM (x86 torch wheels): the lean steps on prepacked weights.
+    # On an Intel CPU with MKL's packed GEMM (x86 torch wheels): the lean steps on prepacked weights,
     # and inverse-CDF draws (on CPU only; torch.multinomial, generate's draws, where switched off).
     assert builtin.name == "builtin (lean Llama steps on MKL-prepacked weights, inverse-CDF draws)"
     assert builtin.fast_steps and builtin.draw is draw_inverse_cdf
     assert plain.draw is draw_multinomial
+    # Elsewhere (an AMD CPU, an unknown vendor) the default leaves the weights to MKL; True packs them.
+    for vendor in ("AuthenticAMD", None):
+        monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda vendor=vendor: vendor)
+        default = make_generation_backend(policy, RLOOConfig(**base), device=cpu)
+        assert default.name == "builtin (lean Llama steps, inverse-CDF draws)", vendor
+        forced = make_generation_backend(policy, RLOOConfig(**base, mkl_prepacked_decoding=True), device=cpu)
+        assert forced.name == builtin.name, vendor
     unpacked = make_generation_backend(
         policy, RLOOConfig(**base, mkl_prepacked_decoding=False, inverse_cdf_sampling=False), device=cpu
     )
@@ -202,6 +210,7 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
     from test_rloo import _trainer
 
     import rlhf_trainers.onpolicy.generation_mixin as engine
+    from rlhf_trainers import cpu_speedups
 
     built = []
     real = engine.make_generation_backend
@@ -211,6 +220,7 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
         return built[-1]
 
     monkeypatch.setattr(engine, "make_generation_backend", counting)
+    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "GenuineIntel")  # prepacked by default there
     trainer = _trainer(
         kit, tmp_path, train_n=16, rloo_k=2, response_length=6, max_steps=2, generation_loop=loop
     )

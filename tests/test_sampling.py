@@ -508,7 +508,7 @@ def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, 
     from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked, lean_llama_steps_prepacked_merged
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
-    on = _trainer(kit, tmp_path / "on", peft_config=lora)
+    on = _trainer(kit, tmp_path / "on", peft_config=lora, mkl_prepacked_decoding=True)
     assert on.generation_backend.fast_steps is lean_llama_steps_prepacked_merged
     assert "LoRA adapters merged" in on.batch_accounting()
     built = _prepacked_steps_built(monkeypatch)
@@ -516,20 +516,29 @@ def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, 
     _seeded_rollout(on)
     adapted = [m for m in on.policy.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer")]
     assert built and len(adapted) == 2 * 2 and all(set(adapted) <= set(steps.packed) for steps in built)
-    off = _trainer(kit, tmp_path / "off", peft_config=lora, merged_adapter_decoding=False)
+    off = _trainer(
+        kit, tmp_path / "off", peft_config=lora, merged_adapter_decoding=False, mkl_prepacked_decoding=True
+    )
     assert off.generation_backend.fast_steps is lean_llama_steps_prepacked
     assert "merged" not in off.batch_accounting()
 
 
-def test_the_trainer_decodes_on_prepacked_weights_by_default_and_not_when_asked(kit, tmp_path):
+def test_the_trainer_decodes_on_prepacked_weights_on_intel_cpus_or_when_asked(kit, tmp_path, monkeypatch):
+    from rlhf_trainers import cpu_speedups
     from rlhf_trainers.cpu_speedups import lean_llama_steps, lean_llama_steps_prepacked
 
+    assert cpu_speedups.cpu_vendor() in ("GenuineIntel", "AuthenticAMD")  # x86 Linux (CI's): cpuinfo says
+    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "GenuineIntel")
     on = _trainer(kit, tmp_path / "on")
     assert on.generation_backend.fast_steps is lean_llama_steps_prepacked
     assert "MKL-prepacked weights" in on.batch_accounting()
+    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "AuthenticAMD")
+    asked = _trainer(kit, tmp_path / "asked", mkl_prepacked_decoding=True)
+    assert asked.generation_backend.fast_steps is lean_llama_steps_prepacked
     for name, extra in (
+        ("default elsewhere", {}),
         ("off", {"mkl_prepacked_decoding": False}),
-        ("onednn", {"onednn_linear": True, "onednn_linear_min_weights": 0}),
+        ("onednn", {"onednn_linear": True, "onednn_linear_min_weights": 0, "mkl_prepacked_decoding": True}),
     ):
         trainer = _trainer(kit, tmp_path / name, **extra)
         assert trainer.generation_backend.fast_steps is lean_llama_steps, name
