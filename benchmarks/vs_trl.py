@@ -649,6 +649,9 @@ def settings_text(report: dict[str, Any]) -> str:
     if s.get("use_vllm"):
         vllm_versions = sorted({r["versions"].get("vllm", "?") for r in report["results"]})
         per_algo.append(f"generation: vLLM {', '.join(vllm_versions)} colocated on both sides")
+    for side, key in (("ours", "ours_config"), ("TRL", "trl_config")):
+        if s.get(key):
+            per_algo.append(f"{side} with {json.dumps(s[key], sort_keys=True)} on top")
     bf16 = s.get("bf16", False)
     precision = "bf16 autocast (weights, gradients and optimizer states in fp32)" if bf16 else "fp32"
     rate_dtype = "bf16" if bf16 else "fp32"
@@ -768,6 +771,12 @@ def main() -> None:
     parser.add_argument("--trl-rloo-python", help="python of the newest-trl venv")
     parser.add_argument("--ours-python", help="python of the venv with this project (default: .venvs/ours)")
     parser.add_argument(
+        "--trl-config",
+        default="{}",
+        help="JSON object of TRL's config fields to set on top of the shared settings, e.g. "
+        "'{\"torch_compile\": true}' (recorded in the result's settings)",
+    )
+    parser.add_argument(
         "--ours-config",
         default="{}",
         help="JSON object of our config fields to set on top of the shared settings, e.g. "
@@ -864,6 +873,7 @@ def main() -> None:
             "eval_every": 0,
             "threads": args.threads,
             "ours_config": json.loads(args.ours_config),
+            "trl_config": json.loads(args.trl_config),
             "bf16": args.bf16,
             "use_vllm": args.vllm,
             "vllm_kv_cache_gib": args.vllm_kv_cache_gib,

@@ -355,6 +355,9 @@ def build_trainer(
         seed=s["seed"],
     )
     impl, algo = spec["impl"], spec["algo"]
+    if impl == "trl":
+        # vs_trl.py --trl-config: TRL's config fields to set on top (e.g. its torch_compile).
+        common.update(s.get("trl_config") or {})
     if impl == "ours":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from rlhf_trainers import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
