@@ -10,7 +10,8 @@ kit, a 3-update RLOO run took 73 s instead of 0.15 s). The engine compiles inste
 of every model of that class and every sequence length. The block's matrix products still run on the
 library kernels; what the compiler can earn is the fusion of the element-wise work between them
 (normalization, rotary embeddings, the gated activation, residual additions, and their backward). On the
-2-core CPU this project is developed on it measured no gain (docs/ppo.md, "Compilation").
+2-core Intel Xeon it measured no gain, on the 2-core AMD EPYC 4-7 % of a SmolLM2-135M PPO update
+(docs/ppo.md, "Compilation").
 
 The compiled blocks are used only inside the engine's passes (:meth:`CompiledBlocks.active`); outside
 them, and while sampling (:meth:`CompiledBlocks.paused`), the models run eager: a decoding step is a few
