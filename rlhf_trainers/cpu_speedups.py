@@ -254,7 +254,8 @@ def _prepacking_pays(model: nn.Module, config: Any, *, device: torch.device, dee
 
 #: The CPU vendors on which MKL-prepacked decoding earned its place (``benchmarks/decoding_linear.py``):
 #: Intel's. On the AMD EPYC (Zen 4) the prepacked products ran no faster than MKL's own (a 16-row
-#: SmolLM2-135M step's linear products: 99.2 ms prepacked, 97.1 ms without) while the packed copy added ~900 MiB to a 135M GRPO run's peak.
+#: SmolLM2-135M step's linear products: 99.2 ms prepacked, 97.1 ms without) while the packed copy added
+#: ~900 MiB to a 135M GRPO run's peak.
 PREPACKING_VENDORS = ("GenuineIntel",)
 
 
