@@ -582,6 +582,77 @@ def test_gradient_checkpointing_gives_the_same_update(kit, tmp_path):
     assert torch.allclose(run("a"), run("b", gradient_checkpointing=True), atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "split",
+    [
+        {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_mini_batches": 2},
+        {"per_device_train_batch_size": 8, "num_mini_batches": 1},
+        {"per_device_train_batch_size": 8, "num_mini_batches": 2, "max_tokens_per_microbatch": 40},
+    ],
+    ids=["accumulated", "one-micro-batch", "token-budget"],
+)
+def test_rollout_values_from_the_first_training_pass_give_the_same_update(kit, tmp_path, monkeypatch, split):
+    """rollout_values='auto' takes the values of step 7's first micro-batch from its training forward pass
+    (before any optimizer step) and runs the no-grad value pass over the other rows only: the rollout's
+    values, the advantages and the weights after two updates (2 epochs) are those of a separate value pass
+    over every row (fp32, within 1e-5), and the no-grad pass sees one micro-batch fewer rows."""
+    from rlhf_trainers.onpolicy import rollout as rollout_steps
+
+    value_rows: list[int] = []
+    original = rollout_steps.response_values
+
+    def counting(model, input_ids, *args, **kwargs):
+        value_rows.append(input_ids.shape[0])  # (B, T) padded ids, packed or not
+        return original(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(rollout_steps, "response_values", counting)
+
+    starts: dict[str, torch.Tensor] = {}
+
+    def run(sub, mode):
+        value_rows.clear()
+        trainer = _trainer(
+            kit, tmp_path / sub, max_steps=1, num_ppo_epochs=2, rollout_values=mode, stop_token="eos", **split
+        )
+        assert trainer.values_from_training_pass == (mode == "auto")
+        with torch.no_grad():  # values far from 0 from the start (the head starts at zero otherwise)
+            trainer.value_model.score.weight.copy_(
+                torch.randn(
+                    trainer.value_model.score.weight.shape, generator=torch.Generator().manual_seed(1)
+                )
+            )
+        starts.update(policy=_digest(trainer.policy), value_model=_digest(trainer.value_model))
+        trainer.train()
+        rows = sum(value_rows)
+        return trainer, rows
+
+    auto, auto_rows = run("auto", "auto")
+    forward, forward_rows = run("forward", "forward")
+    mask = forward._last_rollout.response_mask
+    assert torch.equal(mask, auto._last_rollout.response_mask)  # the same samples
+    assert torch.allclose(auto._last_rollout.values[mask], forward._last_rollout.values[mask], atol=1e-5)
+    assert torch.allclose(auto._last_advantages.advantages, forward._last_advantages.advantages, atol=1e-4)
+    for name in ("policy", "value_model"):
+        moved = (_digest(getattr(forward, name)) - starts[name]).norm()
+        apart = (_digest(getattr(auto, name)) - _digest(getattr(forward, name))).norm()
+        # rounding only: the no-grad pass and the training pass batch the rows differently (values ~1e-6
+        # apart), which Adam's steps carry into the weights (a 1e-6 noise on the values: ~3e-5 x moved)
+        assert apart < 1e-3 * moved
+    rows_per_update = forward.args.local_batch_size
+    assert forward_rows == rows_per_update  # every row
+    if "max_tokens_per_microbatch" in split:
+        assert 0 < auto_rows < forward_rows
+    else:  # the first micro-batch (per_device_train_batch_size rows) has no no-grad pass
+        assert auto_rows == rows_per_update - split["per_device_train_batch_size"]
+
+
+def test_rollout_values_fall_back_to_a_separate_pass_where_the_training_pass_differs(kit, tmp_path):
+    assert not _trainer(kit, tmp_path / "a", model="gpt2", disable_dropout=False).values_from_training_pass
+    assert not _trainer(kit, tmp_path / "b", rollout_values="forward").values_from_training_pass
+    with pytest.raises(ValueError, match="rollout_values='first'"):
+        _config(tmp_path, rollout_values="first")
+
+
 def test_dropout_is_disabled_and_ratio_starts_at_one(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, model="gpt2", max_steps=1, logging_steps=1)  # kit GPT-2 has dropout
     assert all(m.p == 0 for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout))

@@ -137,6 +137,23 @@ def test_learns_keeps_ranks_identical_and_saves(kit, runs, start_digests, mode):
         assert not [e for e in run.results[1]["file_syncs"] if e[0] == "replace" and "checkpoint-" in e[2]]
 
 
+def test_values_from_the_first_training_pass_under_ddp_accumulation(kit, runs, start_digests, tmp_path):
+    """DDP with 2 micro-batches per optimizer step (``rollout_values='auto'``, the default): the first
+    micro-batch's forward pass runs before the advantages, under DDP's ``no_sync``, and its backward pass
+    waits for step 7. Both ranks stay identical and learn, and the first update is the one of the cached
+    DDP run with one micro-batch of the same 8 rows (same samples, loss and gradient norm up to rounding)."""
+    run = runs.launch(
+        tmp_path / "accumulated",
+        None,
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+    )
+    _check_consistent_and_learned(run.results, None, start_digests, key="")
+    check_first_update_like_ddp(run.rank0, runs.trained(None).rank0, "value_loss")
+
+
 # ZeRO-2's resume from checkpoint-10 is the first launch of the interruption test below.
 @pytest.mark.parametrize("mode", [m for m in ONPOLICY_MODES if m.id != "zero2"])
 def test_resume_ends_like_the_uninterrupted_run(runs, tmp_path, mode):

@@ -76,6 +76,21 @@ class Scores:
 
 
 @dataclass
+class HeldForward:
+    """A training forward pass run ahead of its backward pass (step 6a of the update,
+    ``rollout_values='auto'``): step 7's first micro-batch, whose values are the rollout's for its rows."""
+
+    rows: torch.Tensor
+    """(M,) long, on the host: the rollout rows of the micro-batch, in step 7's order."""
+    logprobs: torch.Tensor
+    """(M, R) log-probs with gradient."""
+    values: torch.Tensor
+    """(M, R) float32 values with gradient."""
+    entropy: torch.Tensor
+    """(M, R) entropy (with gradient where the loss reads it)."""
+
+
+@dataclass
 class ForwardPasses:
     """The no-grad forward passes of a rollout (step 4), (N, R) each, 0 at masked response positions."""
 
@@ -452,11 +467,12 @@ class RolloutSteps:
             )[0]
 
     def rollout_logprobs(
-        self, samples: SampledResponses, timings: dict[str, float] | None = None
+        self, samples: SampledResponses, timings: dict[str, float] | None = None, with_values: bool = True
     ) -> ForwardPasses:
         """Step 4: per chunk of ``local_rollout_forward_batch_size`` rows, the policy's log-probs and
         entropy (a training-mode forward pass, or the sampling loop's own where
-        :attr:`logprobs_from_generation`), the reference's log-probs and the value model's values.
+        :attr:`logprobs_from_generation`), the reference's log-probs and the value model's values (unless
+        ``with_values`` is False: the update then takes them from :meth:`rollout_values`).
 
         The forward passes see the prompt columns some row of the chunk uses and the response columns up
         to its longest response; what they leave out is padding in every row, and the results are padded
@@ -507,7 +523,7 @@ class RolloutSteps:
             else:
                 # No KL term reads a reference: none is run; its log-probs are the policy's (KL 0).
                 parts["ref_logprobs"].append(parts["logprobs"][-1])
-            if self.value_model is not None:
+            if with_values and self.value_model is not None:
                 began = time.perf_counter()
                 values = response_values(
                     self.value_model,
@@ -521,6 +537,49 @@ class RolloutSteps:
                 timings["timing/values"] += time.perf_counter() - began
         joined = {name: torch.cat(values) for name, values in parts.items()}
         return ForwardPasses(values=joined.pop("values", None), entropy=joined.pop("entropy", None), **joined)
+
+    def rollout_values(
+        self,
+        rollout: Rollout,
+        known_rows: torch.Tensor,
+        known_values: torch.Tensor,
+        timings: dict[str, float] | None = None,
+    ) -> torch.Tensor:
+        """(N, R) float32 values of the value model for every rollout row, 0 at masked positions: those of
+        ``known_rows`` (indices) are ``known_values`` (their first training pass's, :meth:`_update`'s
+        ``rollout_values='auto'``), the others from a no-grad pass in chunks of
+        ``local_rollout_forward_batch_size`` rows over the rollout's prompt and response tokens, trimmed and
+        packed as step 4's value pass is."""
+        timings = timings if timings is not None else defaultdict(float)
+        N, R = rollout.response.shape
+        values = rollout.response.new_zeros((N, R), dtype=torch.float32)
+        values[known_rows] = (
+            known_values.detach().float().masked_fill(~rollout.response_mask[known_rows], 0.0)
+        )
+        rest = torch.ones(N, dtype=torch.bool, device=values.device)
+        rest[known_rows] = False
+        rest = rest.nonzero().squeeze(1)
+        began = time.perf_counter()
+        with torch.no_grad(), self.accelerator.autocast():
+            for rows in rest.split(self.args.local_rollout_forward_batch_size) if rest.numel() else ():
+                query_mask, response_mask = rollout.query_mask[rows], rollout.response_mask[rows]
+                first, end = trim_bounds(query_mask, response_mask)
+                query, response = rollout.query[rows, first:], rollout.response[rows, :end]
+                ids, mask, positions = self._sequence_inputs(
+                    query, query_mask[:, first:], response, response_mask[:, :end]
+                )
+                packing = self._packed(ids, mask, positions, response_mask[:, :end])
+                part = response_values(
+                    self.value_model,
+                    ids,
+                    mask,
+                    positions,
+                    end,
+                    packing=packing if self._pack_values else None,
+                )
+                values[rows] = pad_columns(part.float(), R).masked_fill(~response_mask, 0.0)
+        timings["timing/values"] += time.perf_counter() - began
+        return values
 
     # ---- 5. per-token rewards and KL ----------------------------------------------------------
 

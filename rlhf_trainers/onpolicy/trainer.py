@@ -50,7 +50,7 @@ from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin
 from .forward import PolicyAndValue, column_bounds, pad_columns, trim_bounds
 from .generation_mixin import OnPolicyGenerationMixin
-from .rollout import Advantages, LossNormalization, Rollout, RolloutSteps
+from .rollout import Advantages, HeldForward, LossNormalization, Rollout, RolloutSteps
 from .setup import SetupSteps, load_models, policy_tokenizer, resolve_stop_ids
 
 if TYPE_CHECKING:
@@ -344,12 +344,24 @@ class OnPolicyTrainer(
                 samples, scores = self.dynamic_sampling(batch, samples, scores, update, timings)
             # 4. log-probs of policy and reference (+ values): the "old" log-probs of the clipped ratio,
             #    the KL's other side, and PPO's V(s_t); padding columns trimmed out of each forward pass.
-            passes = self.rollout_logprobs(samples, timings)
+            #    (With rollout_values='auto' the values wait for step 6a.)
+            held_values = self.values_from_training_pass
+            passes = self.rollout_logprobs(samples, timings, with_values=not held_values)
             # 5a. the shaped scores (scaling, clipping, overlong and stop-token penalties, in that order),
             #     the per-token KL estimate, and rows without a finite reward masked out of the update.
             rollout = self.assemble_rollout(samples, scores, passes)
         # 5b. per-token rewards: -kl_coef * KL at every token, the score added at the last one (LHPD).
         rewards = self.token_rewards(rollout)
+
+        # 6a. (PPO, rollout_values='auto') the values: step 7's first micro-batch runs its training forward
+        #     pass now, before any optimizer step, so its values are the rollout's for its rows (its graph
+        #     is kept for step 7's backward pass); a no-grad pass gives the other rows theirs.
+        held = None
+        if held_values:
+            began = time.perf_counter()
+            held = self._first_training_forward(model, rollout, update)
+            timings["timing/update"] += time.perf_counter() - began
+            rollout.values = self.rollout_values(rollout, held.rows, held.values, timings)
 
         # 6. advantages (subclass hook): PPO's GAE over the values, RLOO's leave-one-out baseline over the
         #    k completions of each prompt.
@@ -370,7 +382,7 @@ class OnPolicyTrainer(
                 pad_token_id=self.processing_class.pad_token_id,
                 device=self.accelerator.device,
             )
-        stats = self._optimize(model, trained, trained_advantages, update)
+        stats = self._optimize(model, trained, trained_advantages, update, held)
         stats.update(balance)
         timings["timing/update"] += time.perf_counter() - began
 
@@ -389,6 +401,63 @@ class OnPolicyTrainer(
         metrics["objective/kl_coef"] = self.kl_ctl.value
         self._last_rollout, self._last_advantages = rollout, advantages
         return metrics
+
+    @property
+    def values_from_training_pass(self) -> bool:
+        """Whether the update takes the rollout's values of step 7's first micro-batch from that
+        micro-batch's training forward pass (``rollout_values='auto'``, PPO) instead of step 4's no-grad
+        pass: where there is a value model, dropout is off (the training pass computes what a no-grad
+        pass would), and the rows trained are the rows rolled out on this process with an engine that
+        lets a forward pass wait for its backward (not DeepSpeed, no ``balance_batch`` over several
+        processes)."""
+        args = self.args
+        return bool(
+            self.value_model is not None
+            and getattr(args, "rollout_values", "forward") == "auto"
+            and args.disable_dropout
+            and not self.is_deepspeed_enabled
+            and not (args.balance_batch and self.accelerator.num_processes > 1)
+        )
+
+    def _epoch_orders(self, N: int, update: int) -> list[torch.Tensor]:
+        """The shuffles of step 7, one per epoch (host tensors): fixed by ``seed``, the process and the
+        update, so a resumed run and step 6a see the same."""
+        args = self.args
+        return [
+            torch.randperm(
+                N,
+                generator=torch.Generator().manual_seed(
+                    hash((args.seed, self.accelerator.process_index, update, epoch)) % (2**63)
+                ),
+            )
+            for epoch in range(args.num_ppo_epochs)
+        ]
+
+    def _first_training_forward(self, model: nn.Module, rollout: Rollout, update: int) -> HeldForward:
+        """Step 6a: the training forward pass of step 7's first micro-batch (epoch 0, mini-batch 0), with
+        gradient, under the same gradient-sync context as step 7 will run its backward pass."""
+        query_start = F.first_true_indices(rollout.query_mask).cpu()
+        response_end = (F.last_true_indices(rollout.response_mask) + 1).cpu()
+        order = self._epoch_orders(rollout.response.shape[0], update)[0]
+        size = self.args.local_mini_batch_size
+        micro_batches = self.micro_batches(order[:size], query_start, response_end, rollout.query.shape[1])
+        on_host = micro_batches[0]
+        bounds = column_bounds(query_start[on_host], response_end[on_host], rollout.query.shape[1])
+        with self._micro_batch_sync(model, last=len(micro_batches) == 1):
+            logprobs, values, entropy = self._training_forward(
+                model, rollout, on_host.to(rollout.response.device), bounds
+            )
+        assert values is not None, "rollout_values='auto' needs the value model's values"
+        return HeldForward(on_host, logprobs, values, entropy)
+
+    def _micro_batch_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The gradient-sync context of a micro-batch's forward and backward passes: accumulation without
+        an all-reduce except at the mini-batch's last micro-batch (DDP's ``no_sync``; DeepSpeed and a
+        single process need none)."""
+        compat.set_sync_gradients(self.accelerator, last)
+        if last or self.is_deepspeed_enabled or self.accelerator.num_processes == 1:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)
 
     def _wants_generation_logprobs(self) -> bool:
         """Whether step 2 keeps the sampling loop's log-probs: as the rollout's own
@@ -513,11 +582,17 @@ class OnPolicyTrainer(
         return pad_columns(logprobs, R), values, pad_columns(entropy, R)
 
     def _optimize(
-        self, model: nn.Module, rollout: Rollout, advantages: Advantages, update: int
+        self,
+        model: nn.Module,
+        rollout: Rollout,
+        advantages: Advantages,
+        update: int,
+        held: HeldForward | None = None,
     ) -> dict[str, float]:
         """Step 7: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over the rollout, each over
         ``gradient_accumulation_steps`` micro-batches (or those of the token budget,
-        :meth:`micro_batches`); returns the mean metrics over processes."""
+        :meth:`micro_batches`); returns the mean metrics over processes. ``held``: the first micro-batch's
+        forward pass, already run (step 6a)."""
         args = self.args
         N = rollout.response.shape[0]
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -527,15 +602,7 @@ class OnPolicyTrainer(
         # and one past the last valid response column, from which each micro-batch's trim is read.
         query_start = F.first_true_indices(rollout.query_mask).cpu()
         response_end = (F.last_true_indices(rollout.response_mask) + 1).cpu()
-        orders = [
-            torch.randperm(
-                N,
-                generator=torch.Generator().manual_seed(
-                    hash((args.seed, self.accelerator.process_index, update, epoch)) % (2**63)
-                ),
-            )
-            for epoch in range(args.num_ppo_epochs)
-        ]
+        orders = self._epoch_orders(N, update)
         normalizations = self._loss_normalizations(rollout, orders)
         # vLLM's log-probs as the old ones: the first mini-batch's pass (the weights vLLM sampled with) is
         # where the trainer's own log-probs of the rollout are seen; the mismatch metrics come from it.
@@ -553,15 +620,17 @@ class OnPolicyTrainer(
                 for micro, on_host in enumerate(micro_batches):
                     rows = on_host.to(rollout.response.device)
                     bounds = column_bounds(query_start[on_host], response_end[on_host], Q)
-                    last = micro == len(micro_batches) - 1
-                    compat.set_sync_gradients(self.accelerator, last)
-                    sync = (
-                        contextlib.nullcontext()
-                        if last or is_deepspeed or self.accelerator.num_processes == 1
-                        else self.accelerator.no_sync(model)
-                    )
-                    with sync:
-                        logprobs, values, entropy = self._training_forward(model, rollout, rows, bounds)
+                    with self._micro_batch_sync(model, last=micro == len(micro_batches) - 1):
+                        if held is not None:  # step 6a ran this micro-batch's forward pass
+                            if not torch.equal(held.rows, on_host):
+                                raise RuntimeError(
+                                    "The first micro-batch of step 7 is not the one whose forward pass "
+                                    f"step 6a ran (rows {held.rows.tolist()} vs {on_host.tolist()})."
+                                )
+                            logprobs, values, entropy = held.logprobs, held.values, held.entropy
+                            held = None
+                        else:
+                            logprobs, values, entropy = self._training_forward(model, rollout, rows, bounds)
                         if epoch == 0 and mini_batch == 0 and micro == 0:
                             self._check_ratio_at_start(logprobs.detach(), rollout, rows, stats)
                         if epoch == 0 and mini_batch == 0 and self.vllm_logprobs_are_old:

@@ -8,6 +8,8 @@ from typing import Any
 from ..onpolicy.config import OnPolicyConfig
 
 VALUE_MODEL_INITS = ("policy", "reward_model")
+#: :attr:`PPOConfig.rollout_values`.
+ROLLOUT_VALUES = ("auto", "forward")
 
 
 @dataclass
@@ -59,6 +61,21 @@ class PPOConfig(OnPolicyConfig):
         },
     )
 
+    rollout_values: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the rollout's values V(s_t) (GAE's baseline, the value clip's centre) come from. "
+            "'forward': a separate no-grad pass of the value model over every completion. 'auto': the "
+            "completions of the first micro-batch of the first optimizer step take theirs from that "
+            "micro-batch's own training forward pass (the same weights, before any optimizer step; run "
+            "before the advantages, its graph kept for the backward pass), the others from the no-grad pass: "
+            "one value forward over a micro-batch less per update (all of it with one mini-batch and one "
+            "micro-batch). The update is the same up to float rounding. 'auto' falls back to 'forward' "
+            "where the training pass is not the rollout's arithmetic or the trained rows are not the rolled-"
+            "out ones: dropout on (disable_dropout=False), DeepSpeed, balance_batch over several processes."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         value = self.num_generations
@@ -80,6 +97,12 @@ class PPOConfig(OnPolicyConfig):
             raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps}: must be >= 0.")
         if self.critic_learning_rate is not None and not self.critic_learning_rate > 0:
             raise ValueError(f"critic_learning_rate={self.critic_learning_rate}: must be > 0, or None.")
+        if self.rollout_values not in ROLLOUT_VALUES:
+            raise ValueError(
+                f"rollout_values={self.rollout_values!r}: expected one of {ROLLOUT_VALUES} ('forward': a "
+                "separate no-grad value pass over every completion; 'auto': the first micro-batch's values "
+                "from its training pass)."
+            )
         if self.value_model_init not in VALUE_MODEL_INITS:
             raise ValueError(
                 f"value_model_init={self.value_model_init!r}: expected one of {VALUE_MODEL_INITS}."
