@@ -503,6 +503,11 @@ UNMATCHED = [
     "below it (since the twentieth session; this job's micro-batches: ~340 response tokens x 49,152 "
     "entries, ~64 MiB) it keeps the logits its forward pass computed for the backward pass. TRL's PPO runs "
     "the lm head and a log-softmax over full logits.",
+    "Rollout values (PPO): TRL's PPO runs a no-grad value pass over every completion; ours (since the "
+    "twenty-second session, `rollout_values='auto'`) takes the values of the first micro-batch's rows from "
+    "that micro-batch's training forward pass, run before the advantages (counted in `update`), and its "
+    "value pass (`values`) covers the other rows: half of them in this job (2 mini-batches of one "
+    "micro-batch).",
     ONEDNN_NOTE,
     SAMPLER_NOTE,
     STOPPED_ROWS_NOTE,

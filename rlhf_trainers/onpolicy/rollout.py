@@ -76,6 +76,18 @@ class Scores:
 
 
 @dataclass
+class FirstMicroBatch:
+    """Step 7's first micro-batch (epoch 0, mini-batch 0), known before step 7 (step 6a)."""
+
+    rows: torch.Tensor
+    """(M,) long, on the host: its rollout rows, in step 7's order."""
+    bounds: tuple[int, int]
+    """The columns its forward pass covers (first prompt column, end of the response columns)."""
+    last: bool
+    """Whether it is also its mini-batch's last micro-batch (gradients synchronised at its backward)."""
+
+
+@dataclass
 class HeldForward:
     """A training forward pass run ahead of its backward pass (step 6a of the update,
     ``rollout_values='auto'``): step 7's first micro-batch, whose values are the rollout's for its rows."""
@@ -541,23 +553,18 @@ class RolloutSteps:
     def rollout_values(
         self,
         rollout: Rollout,
-        known_rows: torch.Tensor,
-        known_values: torch.Tensor,
+        skip_rows: torch.Tensor,
         timings: dict[str, float] | None = None,
     ) -> torch.Tensor:
-        """(N, R) float32 values of the value model for every rollout row, 0 at masked positions: those of
-        ``known_rows`` (indices) are ``known_values`` (their first training pass's, :meth:`_update`'s
-        ``rollout_values='auto'``), the others from a no-grad pass in chunks of
-        ``local_rollout_forward_batch_size`` rows over the rollout's prompt and response tokens, trimmed and
-        packed as step 4's value pass is."""
+        """(N, R) float32 values of the value model for the rollout rows, 0 at masked positions and in the
+        rows ``skip_rows`` (indices: those whose values come from their first training pass, step 6a of
+        :meth:`_update`): a no-grad pass in chunks of ``local_rollout_forward_batch_size`` rows over the
+        rollout's prompt and response tokens, trimmed and packed as step 4's value pass is."""
         timings = timings if timings is not None else defaultdict(float)
         N, R = rollout.response.shape
         values = rollout.response.new_zeros((N, R), dtype=torch.float32)
-        values[known_rows] = (
-            known_values.detach().float().masked_fill(~rollout.response_mask[known_rows], 0.0)
-        )
         rest = torch.ones(N, dtype=torch.bool, device=values.device)
-        rest[known_rows] = False
+        rest[skip_rows.to(values.device)] = False
         rest = rest.nonzero().squeeze(1)
         began = time.perf_counter()
         with torch.no_grad(), self.accelerator.autocast():

@@ -50,7 +50,7 @@ from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin
 from .forward import PolicyAndValue, column_bounds, pad_columns, trim_bounds
 from .generation_mixin import OnPolicyGenerationMixin
-from .rollout import Advantages, HeldForward, LossNormalization, Rollout, RolloutSteps
+from .rollout import Advantages, FirstMicroBatch, HeldForward, LossNormalization, Rollout, RolloutSteps
 from .setup import SetupSteps, load_models, policy_tokenizer, resolve_stop_ids
 
 if TYPE_CHECKING:
@@ -353,15 +353,20 @@ class OnPolicyTrainer(
         # 5b. per-token rewards: -kl_coef * KL at every token, the score added at the last one (LHPD).
         rewards = self.token_rewards(rollout)
 
-        # 6a. (PPO, rollout_values='auto') the values: step 7's first micro-batch runs its training forward
-        #     pass now, before any optimizer step, so its values are the rollout's for its rows (its graph
-        #     is kept for step 7's backward pass); a no-grad pass gives the other rows theirs.
+        # 6a. (PPO, rollout_values='auto') the values: a no-grad pass gives them to the rows outside step
+        #     7's first micro-batch; that micro-batch then runs its training forward pass, before any
+        #     optimizer step, so its values are the rollout's for its rows (its graph is kept for step 7's
+        #     backward pass; the no-grad pass runs first so that the two do not hold memory at once).
         held = None
         if held_values:
+            first = self._first_micro_batch(rollout, update)
+            values = self.rollout_values(rollout, first.rows, timings)
             began = time.perf_counter()
-            held = self._first_training_forward(model, rollout, update)
+            held = self._first_training_forward(model, rollout, first)
             timings["timing/update"] += time.perf_counter() - began
-            rollout.values = self.rollout_values(rollout, held.rows, held.values, timings)
+            rows = held.rows.to(values.device)
+            values[rows] = held.values.detach().float().masked_fill(~rollout.response_mask[rows], 0.0)
+            rollout.values = values
 
         # 6. advantages (subclass hook): PPO's GAE over the values, RLOO's leave-one-out baseline over the
         #    k completions of each prompt.
@@ -433,22 +438,33 @@ class OnPolicyTrainer(
             for epoch in range(args.num_ppo_epochs)
         ]
 
-    def _first_training_forward(self, model: nn.Module, rollout: Rollout, update: int) -> HeldForward:
-        """Step 6a: the training forward pass of step 7's first micro-batch (epoch 0, mini-batch 0), with
-        gradient, under the same gradient-sync context as step 7 will run its backward pass."""
+    def _first_micro_batch(self, rollout: Rollout, update: int) -> FirstMicroBatch:
+        """Step 7's first micro-batch (epoch 0, mini-batch 0), as :meth:`_optimize` will split it."""
         query_start = F.first_true_indices(rollout.query_mask).cpu()
         response_end = (F.last_true_indices(rollout.response_mask) + 1).cpu()
         order = self._epoch_orders(rollout.response.shape[0], update)[0]
-        size = self.args.local_mini_batch_size
-        micro_batches = self.micro_batches(order[:size], query_start, response_end, rollout.query.shape[1])
-        on_host = micro_batches[0]
-        bounds = column_bounds(query_start[on_host], response_end[on_host], rollout.query.shape[1])
-        with self._micro_batch_sync(model, last=len(micro_batches) == 1):
+        Q = rollout.query.shape[1]
+        micro_batches = self.micro_batches(
+            order[: self.args.local_mini_batch_size], query_start, response_end, Q
+        )
+        rows = micro_batches[0]
+        return FirstMicroBatch(
+            rows=rows,
+            bounds=column_bounds(query_start[rows], response_end[rows], Q),
+            last=len(micro_batches) == 1,
+        )
+
+    def _first_training_forward(
+        self, model: nn.Module, rollout: Rollout, first: FirstMicroBatch
+    ) -> HeldForward:
+        """Step 6a: the training forward pass of step 7's first micro-batch, with gradient, under the
+        gradient-sync context step 7 will run its backward pass in."""
+        with self._micro_batch_sync(model, last=first.last):
             logprobs, values, entropy = self._training_forward(
-                model, rollout, on_host.to(rollout.response.device), bounds
+                model, rollout, first.rows.to(rollout.response.device), first.bounds
             )
         assert values is not None, "rollout_values='auto' needs the value model's values"
-        return HeldForward(on_host, logprobs, values, entropy)
+        return HeldForward(first.rows, logprobs, values, entropy)
 
     def _micro_batch_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
         """The gradient-sync context of a micro-batch's forward and backward passes: accumulation without
