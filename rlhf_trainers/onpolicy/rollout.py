@@ -478,6 +478,25 @@ class RolloutSteps:
                 packing=packing,
             )[0]
 
+    def _pass_inputs(
+        self,
+        query: torch.Tensor,
+        query_mask: torch.Tensor,
+        response: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PackedSequences | None]:
+        """The inputs of a no-grad pass over rows of a rollout: the columns some row uses (the leading
+        prompt padding and the response padding after the longest response trimmed), as ``(ids, mask,
+        positions, response, packing)``; ``response`` holds the trimmed response columns as the passes read
+        them (padding as an id the model has), ``packing`` the real tokens packed (:meth:`_packed`)."""
+        first, end = trim_bounds(query_mask, response_mask)
+        query = query[:, first:]
+        ids, mask, positions = self._sequence_inputs(
+            query, query_mask[:, first:], response[:, :end], response_mask[:, :end]
+        )
+        packing = self._packed(ids, mask, positions, response_mask[:, :end])
+        return ids, mask, positions, ids[:, query.shape[1] :], packing
+
     def rollout_logprobs(
         self, samples: SampledResponses, timings: dict[str, float] | None = None, with_values: bool = True
     ) -> ForwardPasses:
@@ -497,14 +516,10 @@ class RolloutSteps:
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         for start in range(0, samples.response.shape[0], step):
             rows = slice(start, start + step)
-            query_mask, response_mask = samples.query_mask[rows], samples.response_mask[rows]
-            first, end = trim_bounds(query_mask, response_mask)
-            query, response = samples.query[rows, first:], samples.response[rows, :end]
-            ids, mask, positions = self._sequence_inputs(
-                query, query_mask[:, first:], response, response_mask[:, :end]
+            response_mask = samples.response_mask[rows]
+            ids, mask, positions, response, packing = self._pass_inputs(
+                samples.query[rows], samples.query_mask[rows], samples.response[rows], response_mask
             )
-            response = ids[:, query.shape[1] :]  # padding as the forward passes read it (an id they have)
-            packing = self._packed(ids, mask, positions, response_mask[:, :end])
             if from_generation:
                 # The sampling loop's own log-probs (rollout_logprobs): no policy forward pass.
                 parts["logprobs"].append(samples.generation_logprobs[rows].masked_fill(~response_mask, 0.0))
@@ -569,19 +584,16 @@ class RolloutSteps:
         began = time.perf_counter()
         with torch.no_grad(), self.accelerator.autocast():
             for rows in rest.split(self.args.local_rollout_forward_batch_size) if rest.numel() else ():
-                query_mask, response_mask = rollout.query_mask[rows], rollout.response_mask[rows]
-                first, end = trim_bounds(query_mask, response_mask)
-                query, response = rollout.query[rows, first:], rollout.response[rows, :end]
-                ids, mask, positions = self._sequence_inputs(
-                    query, query_mask[:, first:], response, response_mask[:, :end]
+                response_mask = rollout.response_mask[rows]
+                ids, mask, positions, response, packing = self._pass_inputs(
+                    rollout.query[rows], rollout.query_mask[rows], rollout.response[rows], response_mask
                 )
-                packing = self._packed(ids, mask, positions, response_mask[:, :end])
                 part = response_values(
                     self.value_model,
                     ids,
                     mask,
                     positions,
-                    end,
+                    response.shape[1],
                     packing=packing if self._pack_values else None,
                 )
                 values[rows] = pad_columns(part.float(), R).masked_fill(~response_mask, 0.0)
