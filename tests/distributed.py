@@ -187,6 +187,53 @@ def launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return result
 
 
+#: Age (seconds) after which a torch extension's build ``lock`` is taken as left behind by a killed build.
+#: A JIT build (DeepSpeed's CPU comm op, ~35 s on 2 idle cores) holds ``<build folder>/lock`` while it
+#: compiles; one killed mid-way (a timeout, a machine restart) leaves it, and every later start waits on it
+#: forever (torch's ``FileBaton.wait`` has no timeout): each DeepSpeed test then runs into its own timeout.
+STALE_BUILD_LOCK_S = 900.0
+
+
+def torch_extensions_root() -> Path:
+    """Where torch JIT-builds extensions: ``$TORCH_EXTENSIONS_DIR``, else torch's default per-user cache
+    folder with its ``py<XY>_<cpu|cuXYZ|rocmXY>`` sub-folder (the rule of ``torch.utils.cpp_extension``)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def clear_stale_build_locks(root: Path | None = None, max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """Remove build locks older than `max_age_s` under `root` (default :func:`torch_extensions_root`).
+
+    Returns the removed paths (each also reported on stderr). A lock younger than that may belong to a
+    build in progress (another test session's) and is left alone.
+    """
+    root = torch_extensions_root() if root is None else root
+    removed = []
+    for lock in sorted(root.glob("*/lock")):
+        with contextlib.suppress(FileNotFoundError):
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+                print(
+                    f"removed {lock}: a torch extension build lock {age:.0f} s old (over {max_age_s:.0f} s), "
+                    "left by a build that was killed; every DeepSpeed start would wait on it forever.",
+                    file=sys.stderr,
+                )
+    return removed
+
+
 #: How run_script starts the ranks unless a call says: "forked" (default) or "accelerate";
 #: ``RLHF_TESTS_LAUNCHER=accelerate`` runs every launch of the suite through ``accelerate launch``.
 LAUNCHERS = ("forked", "accelerate")
@@ -415,6 +462,8 @@ def run_script(
     launcher = launcher or _default_launcher()
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: must be one of {LAUNCHERS}.")
+    if deepspeed is not None:
+        clear_stale_build_locks()
     started = time.perf_counter()
     if launcher == "forked":
         returncode, stdout, stderr, timed_out = _forked_launch(

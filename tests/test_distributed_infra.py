@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
+from pathlib import Path
 
+import distributed
 import psutil
 import pytest
 from distributed import (
@@ -177,3 +180,33 @@ def test_forked_ranks_get_the_environment_of_accelerate_launch(tmp_path, deepspe
     if deepspeed:
         assert seen["forked"][0]["ACCELERATE_USE_DEEPSPEED"] == "true"
         assert seen["forked"][0]["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_before_a_deepspeed_launch(tmp_path, monkeypatch):
+    # torch's JIT build of DeepSpeed's comm op waits forever on <build folder>/lock; a build killed mid-way
+    # leaves it, and every DeepSpeed test then hung into its timeout (a CI run lost 20 tests and 78 min)
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - distributed.STALE_BUILD_LOCK_S - 60
+    os.utime(stale, (old, old))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert distributed.torch_extensions_root() == tmp_path
+    assert distributed.clear_stale_build_locks() == [stale]
+    assert not stale.exists() and fresh.exists()  # a young lock may be a build in progress: kept
+    # run_script clears them before a DeepSpeed launch (a rank that would wait on it sees it gone)
+    stale.touch()
+    os.utime(stale, (old, old))
+    script = tmp_path / "sees_lock.py"
+    script.write_text(f"import pathlib, sys\nsys.exit(3 if pathlib.Path({str(stale)!r}).exists() else 0)\n")
+    run_script(script, num_processes=1, deepspeed="zero2", timeout=120)
+    assert not stale.exists() and fresh.exists()
+
+
+def test_torch_extensions_root_follows_torchs_rule(monkeypatch):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    root = distributed.torch_extensions_root()
+    assert Path(_get_build_directory("probe_op", verbose=False)) == root / "probe_op"
