@@ -484,17 +484,20 @@ class RolloutSteps:
         query_mask: torch.Tensor,
         response: torch.Tensor,
         response_mask: torch.Tensor,
+        bounds: tuple[int, int] | None = None,
+        training: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PackedSequences | None]:
-        """The inputs of a no-grad pass over rows of a rollout: the columns some row uses (the leading
-        prompt padding and the response padding after the longest response trimmed), as ``(ids, mask,
-        positions, response, packing)``; ``response`` holds the trimmed response columns as the passes read
-        them (padding as an id the model has), ``packing`` the real tokens packed (:meth:`_packed`)."""
-        first, end = trim_bounds(query_mask, response_mask)
+        """The inputs of a forward pass over rows of a rollout (the no-grad passes' and the training
+        pass's): the columns some row uses (``bounds``: first prompt column, end of the response columns;
+        :func:`trim_bounds` of the masks when None), as ``(ids, mask, positions, response, packing)``;
+        ``response`` holds the trimmed response columns as the passes read them (padding as an id the model
+        has), ``packing`` the real tokens packed (:meth:`_packed`, `training` passed on)."""
+        first, end = trim_bounds(query_mask, response_mask) if bounds is None else bounds
         query = query[:, first:]
         ids, mask, positions = self._sequence_inputs(
             query, query_mask[:, first:], response[:, :end], response_mask[:, :end]
         )
-        packing = self._packed(ids, mask, positions, response_mask[:, :end])
+        packing = self._packed(ids, mask, positions, response_mask[:, :end], training=training)
         return ids, mask, positions, ids[:, query.shape[1] :], packing
 
     def rollout_logprobs(

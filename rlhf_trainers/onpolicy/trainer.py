@@ -48,7 +48,7 @@ from .balance import rebalance
 from .checkpoint import CheckpointMixin
 from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin
-from .forward import PolicyAndValue, column_bounds, pad_columns, trim_bounds
+from .forward import PolicyAndValue, column_bounds, pad_columns
 from .generation_mixin import OnPolicyGenerationMixin
 from .rollout import Advantages, FirstMicroBatch, HeldForward, LossNormalization, Rollout, RolloutSteps
 from .setup import SetupSteps, load_models, policy_tokenizer, resolve_stop_ids
@@ -573,15 +573,15 @@ class OnPolicyTrainer(
         prompt column, end of the response columns; computed from the masks when None): leading prompt
         padding and the response padding after the longest response are left out, and the outputs are
         padded back to the rollout's response length with zeros at those (masked) positions."""
-        query, query_mask = rollout.query[rows], rollout.query_mask[rows]
-        response, response_mask = rollout.response[rows], rollout.response_mask[rows]
-        R = response.shape[1]
-        first, end = trim_bounds(query_mask, response_mask) if bounds is None else bounds
-        query, query_mask = query[:, first:], query_mask[:, first:]
-        response, response_mask = response[:, :end], response_mask[:, :end]
-        ids, mask, positions = self._sequence_inputs(query, query_mask, response, response_mask)
-        response = ids[:, query.shape[1] :]  # padding as the forward pass reads it (an id it has)
-        packing = self._packed(ids, mask, positions, response_mask, training=True)
+        R = rollout.response.shape[1]
+        ids, mask, positions, response, packing = self._pass_inputs(
+            rollout.query[rows],
+            rollout.query_mask[rows],
+            rollout.response[rows],
+            rollout.response_mask[rows],
+            bounds,
+            training=True,
+        )
         logprobs, values, entropy = model(
             input_ids=ids,
             attention_mask=mask,
