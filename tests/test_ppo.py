@@ -588,15 +588,31 @@ def test_gradient_checkpointing_gives_the_same_update(kit, tmp_path):
         {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_mini_batches": 2},
         {"per_device_train_batch_size": 8, "num_mini_batches": 1},
         {"per_device_train_batch_size": 8, "num_mini_batches": 2, "max_tokens_per_microbatch": 40},
+        {
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "num_mini_batches": 2,
+            "gradient_checkpointing": True,
+            "lora": True,
+        },
     ],
-    ids=["accumulated", "one-micro-batch", "token-budget"],
+    ids=["accumulated", "one-micro-batch", "token-budget", "lora-checkpointed"],
 )
 def test_rollout_values_from_the_first_training_pass_give_the_same_update(kit, tmp_path, monkeypatch, split):
     """rollout_values='auto' takes the values of step 7's first micro-batch from its training forward pass
     (before any optimizer step) and runs the no-grad value pass over the other rows only: the rollout's
     values, the advantages and the weights after two updates (2 epochs) are those of a separate value pass
-    over every row (fp32, within 1e-5), and the no-grad pass sees one micro-batch fewer rows."""
+    over every row (fp32, within 1e-5), and the no-grad pass sees one micro-batch fewer rows. Also with a
+    LoRA policy under gradient checkpointing (the kept forward pass's graph recomputes in step 7)."""
     from rlhf_trainers.onpolicy import rollout as rollout_steps
+
+    split = dict(split)
+    if split.pop("lora", False):
+        from peft import LoraConfig
+
+        split["peft_config"] = LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
 
     value_rows: list[int] = []
     original = rollout_steps.response_values
