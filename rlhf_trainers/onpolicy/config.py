@@ -385,7 +385,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     )
     kl_estimator: str = field(
         default="k1",
-        metadata={"help": "Per-token KL estimator in the reward: 'k1' (LHPD's), 'k2', 'k3' or 'abs'."},
+        metadata={
+            "help": "Per-token KL estimator in the reward: 'k1' (LHPD's), 'k2', 'k3', 'abs' or 'low_var_kl' (k3 clamped to at most 10 per token, verl's name)."
+        },
     )
     adaptive_kl: bool = field(
         default=False,
