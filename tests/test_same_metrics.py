@@ -54,9 +54,7 @@ def _differences(expected: dict, got: dict, rel: float, where: str) -> list[str]
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_metrics_match_the_code_before_the_restructure(tmp_path, num_processes):
-    run_script(
-        "same_metrics.py", ["--output_dir", str(tmp_path)], num_processes=num_processes, timeout=1200
-    )
+    run_script("same_metrics.py", ["--output_dir", str(tmp_path)], num_processes=num_processes, timeout=1200)
     rank0 = read_rank_results(tmp_path, num_processes)[0]
     key = f"{num_processes}-process"
     if os.environ.get("RLHF_RECORD_SAME_METRICS"):
@@ -74,7 +72,7 @@ def test_metrics_match_the_code_before_the_restructure(tmp_path, num_processes):
         expected, got = reference[key][run], rank0["runs"][run]
         assert len(got["logs"]) == len(expected["logs"]), (run, len(got["logs"]), len(expected["logs"]))
         assert len(expected["logs"]) >= 3, run  # several updates, each compared
-        for i, (a, b) in enumerate(zip(expected["logs"], got["logs"])):
+        for i, (a, b) in enumerate(zip(expected["logs"], got["logs"], strict=True)):
             problems += _differences(a, b, rel, f"{run} log {i}")
         problems += _differences(expected["eval"], got["eval"], rel, f"{run} eval")
     assert not problems, (

@@ -23,7 +23,13 @@ from rlhf_trainers import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RLOOCo
 from rlhf_trainers.testing import get_kit, true_reward
 
 #: Metric names left out of the comparison: wall times and rates, which no two runs share.
-VOLATILE_PREFIXES = ("timing/", "perf/", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+VOLATILE_PREFIXES = (
+    "timing/",
+    "perf/",
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+)
 VOLATILE_NAMES = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "total_flos"}
 
 COMMON: dict[str, Any] = {
