@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,42 +244,50 @@ def check_resume_process_count(
     )
 
 
-class AtomicCheckpointMixin(TrainerHooksMixin):
-    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``): checkpoints are written into a
-    staging folder and renamed to ``checkpoint-<step>`` only once complete, and older checkpoints are
-    rotated away (``save_total_limit``) only after the new one is in place. A process killed while
-    saving leaves at most a ``.incomplete-checkpoint-<step>`` folder, which resuming ignores and the next
-    save removes. Before the rename, the saving process fsyncs every file and directory of the checkpoint
-    (:func:`fsync_tree`, after every process finished writing its part) and the staging folder; after it,
-    the folder that holds the checkpoints, so a power loss leaves either no ``checkpoint-<step>`` or a
-    complete one.
+class AtomicCheckpoints:
+    """Checkpoints written into a staging folder and renamed to ``checkpoint-<step>`` only once complete;
+    older checkpoints rotated away (``save_total_limit``) only after the new one is in place. A process
+    killed while saving leaves at most a ``.incomplete-checkpoint-<step>`` folder, which resuming ignores
+    and the next save removes. Before the rename, the saving process fsyncs every file and directory of
+    the checkpoint (:func:`fsync_tree`, after every process finished writing its part) and the staging
+    folder; after it, the folder that holds the checkpoints, so a power loss leaves either no
+    ``checkpoint-<step>`` or a complete one.
 
-    Subclasses that store more state in a checkpoint override :meth:`write_extra_checkpoint_state`.
+    A part of a ``transformers.Trainer`` subclass (``trainer``) built on
+    :class:`~rlhf_trainers.compat.TrainerHooksMixin`: its ``checkpoint_run_dir`` returns
+    :meth:`run_dir` and its ``write_checkpoint`` calls :meth:`write` (:class:`AtomicCheckpointMixin`
+    does both).
     """
 
-    _checkpoint_staging: str | None = None
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        #: The staging folder while a checkpoint is being written, else None.
+        self.staging: str | None = None
 
-    def checkpoint_run_dir(self, trial: Any) -> str:
-        """The staging folder while a checkpoint is being written (``Trainer`` writes
-        ``checkpoint-<step>`` into it), else the run's folder."""
-        return self._checkpoint_staging or super().checkpoint_run_dir(trial)
+    def run_dir(self, run_dir: str) -> str:
+        """Where ``Trainer`` writes ``checkpoint-<step>``: the staging folder while :meth:`write` runs,
+        else ``run_dir`` (the run's folder)."""
+        return self.staging or run_dir
 
-    def write_extra_checkpoint_state(self, folder: str) -> None:
-        """Write state of the subclass into the checkpoint ``folder`` (still in staging, after
-        ``Trainer`` wrote the model, optimizer, scheduler, RNG and trainer state; on every process, so
-        write only where ``args.should_save``). Default: nothing."""
-
-    def write_checkpoint(self, model: Any, trial: Any) -> None:
-        """``Trainer``'s checkpoint, written into a staging folder and then renamed into place."""
+    def write(
+        self,
+        run_dir: str,
+        write_checkpoint: Callable[[], None],
+        write_extra_state: Callable[[str], None],
+    ) -> None:
+        """Write a checkpoint of the current step atomically into ``run_dir``: ``write_checkpoint()`` is
+        ``Trainer``'s (it writes into :meth:`run_dir`, the staging folder), then ``write_extra_state(folder)``
+        adds the subclass's state to the staged checkpoint ``folder``; then the rename, the fsyncs and the
+        rotation. A collective: every process calls it."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         try:
             from transformers.trainer_utils import rotate_checkpoints
         except ImportError:  # pragma: no cover - older transformers
             rotate_checkpoints = None
-        args = self.args  # type: ignore[attr-defined]
-        run_dir = super().checkpoint_run_dir(trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # type: ignore[attr-defined]
+        trainer = self.trainer
+        args = trainer.args
+        name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
         staging = os.path.join(run_dir, STAGING_PREFIX + name)
         if args.should_save:
             # Any staging folder here is left from a process that died while saving: remove them all.
@@ -287,14 +296,14 @@ class AtomicCheckpointMixin(TrainerHooksMixin):
                     if entry.startswith(STAGING_PREFIX):
                         shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
             os.makedirs(staging, exist_ok=True)
-        self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]
-        self._checkpoint_staging = staging
+        trainer.accelerator.wait_for_everyone()
+        self.staging = staging
         try:
-            super().write_checkpoint(model, trial)
-            self.write_extra_checkpoint_state(os.path.join(staging, name))
+            write_checkpoint()
+            write_extra_state(os.path.join(staging, name))
         finally:
-            self._checkpoint_staging = None
-        self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]
+            self.staging = None
+        trainer.accelerator.wait_for_everyone()
         if args.should_save:
             final = os.path.join(run_dir, name)
             old = os.path.join(run_dir, STAGING_PREFIX + "old-" + name)
@@ -311,7 +320,7 @@ class AtomicCheckpointMixin(TrainerHooksMixin):
                 fsync_dir(run_dir)  # the rename itself
             shutil.rmtree(staging, ignore_errors=True)
             shutil.rmtree(old, ignore_errors=True)
-            state = self.state  # type: ignore[attr-defined]
+            state = trainer.state
             if state.best_model_checkpoint and state.best_model_checkpoint.startswith(staging):
                 state.best_model_checkpoint = final
             if rotate_checkpoints is not None:
@@ -321,7 +330,38 @@ class AtomicCheckpointMixin(TrainerHooksMixin):
                     best_model_checkpoint=state.best_model_checkpoint,
                     use_mtime=False,
                 )
-        self.accelerator.wait_for_everyone()  # type: ignore[attr-defined]
+        trainer.accelerator.wait_for_everyone()
+
+
+class AtomicCheckpointMixin(TrainerHooksMixin):
+    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``): its checkpoints are
+    :class:`AtomicCheckpoints`. Subclasses that store more state in a checkpoint override
+    :meth:`write_extra_checkpoint_state`."""
+
+    @property
+    def _atomic_checkpoints(self) -> AtomicCheckpoints:
+        writer = self.__dict__.get("_atomic_checkpoints_writer")
+        if writer is None:
+            writer = self.__dict__["_atomic_checkpoints_writer"] = AtomicCheckpoints(self)
+        return writer
+
+    def checkpoint_run_dir(self, trial: Any) -> str:
+        """The staging folder while a checkpoint is being written (``Trainer`` writes
+        ``checkpoint-<step>`` into it), else the run's folder."""
+        return self._atomic_checkpoints.run_dir(super().checkpoint_run_dir(trial))
+
+    def write_extra_checkpoint_state(self, folder: str) -> None:
+        """Write state of the subclass into the checkpoint ``folder`` (still in staging, after
+        ``Trainer`` wrote the model, optimizer, scheduler, RNG and trainer state; on every process, so
+        write only where ``args.should_save``). Default: nothing."""
+
+    def write_checkpoint(self, model: Any, trial: Any) -> None:
+        """``Trainer``'s checkpoint, written into a staging folder and then renamed into place."""
+        self._atomic_checkpoints.write(
+            super().checkpoint_run_dir(trial),
+            lambda: super(AtomicCheckpointMixin, self).write_checkpoint(model, trial),
+            self.write_extra_checkpoint_state,
+        )
 
 
 class InterruptHandler:

@@ -41,6 +41,9 @@ The math of the reference implementations:
     :func:`scale_rewards`, :func:`overlong_penalty`, :func:`normalize_rewards_gain_bias`.
 :mod:`~rlhf_trainers.functional.losses` -- losses
     :func:`clipped_policy_loss`, :func:`clipped_value_loss`, :func:`truncated_importance_weights`.
+:mod:`~rlhf_trainers.functional.registry` -- advantage estimators and policy losses by name
+    :func:`register_advantage_estimator`, :func:`register_policy_loss` (decorators),
+    :func:`get_advantage_estimator`, :func:`get_policy_loss`, :class:`AdvantageInputs`.
 
 Apart from it, how log-probabilities are computed without large temporaries:
 
@@ -73,6 +76,15 @@ from .losses import (
     clipped_value_loss,
     truncated_importance_weights,
 )
+from .registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageInputs,
+    get_advantage_estimator,
+    get_policy_loss,
+    register_advantage_estimator,
+    register_policy_loss,
+)
 from .responses import (
     REJECTION_MODES,
     apply_rejection_penalty,
@@ -86,12 +98,15 @@ from .reward_shaping import normalize_rewards_gain_bias, overlong_penalty, scale
 from .stats import explained_variance, masked_mean, masked_moments, masked_var, whiten
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "IMPORTANCE_SAMPLING_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "REJECTION_MODES",
     "SCALE_REWARDS",
     "AdaptiveKLController",
+    "AdvantageInputs",
     "FixedKLController",
     "apply_rejection_penalty",
     "clipped_policy_loss",
@@ -100,6 +115,8 @@ __all__ = [
     "explained_variance",
     "first_true_indices",
     "gae_advantages",
+    "get_advantage_estimator",
+    "get_policy_loss",
     "group_advantages",
     "kl_penalty",
     "last_true_indices",
@@ -112,6 +129,8 @@ __all__ = [
     "normalize_rewards_gain_bias",
     "overlong_penalty",
     "position_ids_from_mask",
+    "register_advantage_estimator",
+    "register_policy_loss",
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "scale_rewards",

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import functional as F
-from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
 from ..reward_sources import split_reward_funcs
 from .config import GRPOConfig
+from .objective import GRPOObjective
 
 if TYPE_CHECKING:
     import datasets
@@ -58,6 +57,7 @@ class GRPOTrainer(OnPolicyTrainer):
     """
 
     _config_class = GRPOConfig
+    objective_class = GRPOObjective
     algorithm_name = "GRPO"
     completions_per_prompt_name = "num_generations"
     args: GRPOConfig
@@ -142,77 +142,3 @@ class GRPOTrainer(OnPolicyTrainer):
             f"({'no reference model' if not args.uses_reference_model else 'reference model'}); generation: "
             f"{self.generation_backend.name}."
         )
-
-    def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
-        """The advantages of ``advantage_estimator``: group-relative (``scale_rewards``) or leave-one-out,
-        one per completion, or REINFORCE++'s per token; the vLLM importance weights of the rollout, if any,
-        pass through to the loss."""
-        args = self.args
-        # GRPO puts no KL in the reward; kl_coef > 0 (not TRL's) subtracts it as RLOO does.
-        reward = rollout.scores - self.kl_ctl.value * rollout.kl.sum(1)
-        G, valid, estimator = args.num_generations, rollout.valid_rows, args.advantage_estimator
-        if estimator == "grpo":
-            advantages = F.group_advantages(
-                reward, G, args.scale_rewards, valid=valid, all_reduce=self._all_reduce
-            )[:, None]
-        elif estimator == "rloo":
-            advantages = F.rloo_advantages(reward, G, valid=valid)[:, None]
-        else:  # REINFORCE++: the per-token rewards (KL penalty per token, the score at the last token)
-            k = G if estimator == "reinforce_plus_plus_baseline" else None
-            advantages = F.reinforce_plus_plus_advantages(
-                rewards, rollout.response_mask, k=k, valid=valid, all_reduce=self._all_reduce
-            )
-        return Advantages(
-            advantages=advantages.to(torch.float32),
-            rlhf_reward=reward,
-            importance_weights=rollout.sampling_weights,
-        )
-
-    def compute_policy_loss(
-        self,
-        rollout: Rollout,
-        advantages: Advantages,
-        rows: torch.Tensor,
-        logprobs: torch.Tensor,
-        values: torch.Tensor | None,
-        normalization: LossNormalization | None = None,
-        entropy: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO's clipped loss per token with the completion's advantage at every token (the sequence's
-        ratio with ``importance_sampling_level="sequence"``), weighted by the vLLM importance weights,
-        plus ``beta`` x the KL estimate, reduced by ``loss_type`` over the optimizer step."""
-        weights = advantages.importance_weights
-        loss, metrics, _ = self.token_policy_loss(
-            rollout,
-            advantages.advantages[rows],
-            rows,
-            logprobs,
-            normalization,
-            weights[rows] if weights is not None else None,
-            entropy,
-        )
-        return loss, metrics
-
-    def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
-        """The engine's metrics plus GRPO's: ``objective/reward_std`` (mean over prompts of the std of
-        their group's rewards), ``objective/frac_reward_zero_std`` (groups whose rewards are all equal:
-        no learning signal, TRL's name) and ``rollout/num_completions_kept``."""
-        metrics = super().rollout_metrics(rollout, advantages)
-        G = self.args.num_generations
-        reward = advantages.rlhf_reward.float().reshape(G, -1)
-        ok = rollout.valid_rows.reshape(G, -1).all(0)
-        std = reward.std(0, unbiased=True)[ok]
-        sums = torch.stack(
-            [
-                std.sum(),
-                (std < 1e-8).float().sum(),
-                torch.tensor(float(std.numel()), device=std.device),
-                rollout.valid_rows.float().sum(),
-            ]
-        ).double()
-        sums = self._all_reduce(sums.to(self.accelerator.device)).cpu()
-        groups = float(sums[2])
-        metrics["objective/reward_std"] = float(sums[0]) / groups if groups else 0.0
-        metrics["objective/frac_reward_zero_std"] = float(sums[1]) / groups if groups else 0.0
-        metrics["rollout/num_completions_kept"] = float(sums[3])
-        return metrics

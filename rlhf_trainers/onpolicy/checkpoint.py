@@ -1,6 +1,6 @@
 """Saving and resuming the on-policy engine: the policy (full weights or PEFT adapter), the value
 model in ``value_model/``, and the KL controller's state, inside the checkpoints that
-``transformers.Trainer`` writes and rotates."""
+``transformers.Trainer`` writes and rotates. Functions of the trainer, whose ``Trainer`` hooks call them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,104 +22,103 @@ ONPOLICY_STATE_FILE = "onpolicy_state.json"
 VALUE_MODEL_DIR = "value_model"
 
 
-class CheckpointMixin:
-    """The engine's model saving and loading (mixed into
-    :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer` before
-    :class:`~rlhf_trainers.reliability.AtomicCheckpointMixin`, whose ``Trainer`` hooks call these)."""
-
-    def write_model(self, output_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """Write the policy in a loadable form (``from_pretrained`` / PEFT adapter folder) into
-        ``output_dir``, the value model (if any) into ``output_dir/value_model``, and the tokenizer.
-        ``state_dict`` is the full state of the trained module when the caller gathered it (DeepSpeed)."""
-        if not self.args.should_save:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if state_dict is None:
-            state_dict = unwrapped.state_dict()
-        policy_sd = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
-        unwrapped.policy.save_pretrained(output_dir, state_dict=policy_sd or None)
-        if unwrapped.value_model is not None:
-            value_sd = {
-                k[len("value_model.") :]: v for k, v in state_dict.items() if k.startswith("value_model.")
-            }
-            unwrapped.value_model.save_pretrained(
-                os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=value_sd or None
-            )
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-
-    def write_extra_checkpoint_state(self, folder: str) -> None:
-        """In ``onpolicy_state.json``: the KL controller's state, the update count, the metrics of the
-        updates since the last log entry (a checkpoint written between two entries, e.g. on an
-        interruption, hands them to the resumed run's next entry, which then averages the same updates as
-        an uninterrupted run's), and the non-finite step counts (``train/nonfinite_steps_skipped`` and
-        the consecutive ones that ``max_nonfinite_steps`` limits)."""
-        if self.args.should_save:
-            path = os.path.join(folder, ONPOLICY_STATE_FILE)
-            guard = self._reliability.guard
-            state = {
-                "kl_controller": self.kl_ctl.state_dict(),
-                "global_step": self.state.global_step,
-                "pending_logs": {
-                    name: [v if isinstance(v, int) else float(v) for v in values]
-                    for name, values in self._log_buffer.items()
-                },
-                "nonfinite_steps": {"skipped": guard.skipped, "consecutive": guard.consecutive},
-                # a resume on another number of processes is refused (check_resume_process_count)
-                "num_processes": self.accelerator.num_processes,
-            }
-            with open(path, "w") as fh:
-                json.dump(state, fh, indent=2)
-
-    def _check_resume_process_count(self, checkpoint: str) -> None:
-        """ValueError, before anything is loaded, when ``checkpoint`` was saved on another number of
-        processes (``num_processes`` of ``onpolicy_state.json``, or for checkpoints without it the RNG-state
-        files): see :func:`~rlhf_trainers.reliability.check_resume_process_count`."""
-        saved = None
-        path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
-        if os.path.isfile(path):
-            with open(path) as fh:
-                saved = json.load(fh).get("num_processes")
-        fresh_start = "model=<checkpoint>"
-        if self.value_model is not None:
-            fresh_start += f", value_model=os.path.join(<checkpoint>, {VALUE_MODEL_DIR!r})"
-        check_resume_process_count(
-            checkpoint,
-            self.accelerator.num_processes,
-            saved=saved,
-            save_on_each_node=self.args.save_on_each_node,
-            fresh_start=fresh_start,
+def write_model(trainer: Any, output_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the policy in a loadable form (``from_pretrained`` / PEFT adapter folder) into
+    ``output_dir``, the value model (if any) into ``output_dir/value_model``, and the tokenizer.
+    ``state_dict`` is the full state of the trained module when the caller gathered it (DeepSpeed)."""
+    if not trainer.args.should_save:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    if state_dict is None:
+        state_dict = unwrapped.state_dict()
+    policy_sd = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
+    unwrapped.policy.save_pretrained(output_dir, state_dict=policy_sd or None)
+    if unwrapped.value_model is not None:
+        value_sd = {
+            k[len("value_model.") :]: v for k, v in state_dict.items() if k.startswith("value_model.")
+        }
+        unwrapped.value_model.save_pretrained(
+            os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=value_sd or None
         )
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(output_dir)
+    torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
 
-    def _load_onpolicy_state(self, checkpoint: str) -> None:
-        path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
-        if not os.path.isfile(path):
-            logger.warning(
-                "%s has no %s; the KL controller starts from its initial value.",
-                checkpoint,
-                ONPOLICY_STATE_FILE,
-            )
-            return
+
+def write_extra_checkpoint_state(trainer: Any, folder: str) -> None:
+    """In ``onpolicy_state.json``: the KL controller's state, the update count, the metrics of the
+    updates since the last log entry (a checkpoint written between two entries, e.g. on an
+    interruption, hands them to the resumed run's next entry, which then averages the same updates as
+    an uninterrupted run's), and the non-finite step counts (``train/nonfinite_steps_skipped`` and
+    the consecutive ones that ``max_nonfinite_steps`` limits)."""
+    if trainer.args.should_save:
+        path = os.path.join(folder, ONPOLICY_STATE_FILE)
+        guard = trainer._reliability.guard
+        state = {
+            "kl_controller": trainer.kl_ctl.state_dict(),
+            "global_step": trainer.state.global_step,
+            "pending_logs": {
+                name: [v if isinstance(v, int) else float(v) for v in values]
+                for name, values in trainer._log_buffer.items()
+            },
+            "nonfinite_steps": {"skipped": guard.skipped, "consecutive": guard.consecutive},
+            # a resume on another number of processes is refused (check_resume_process_count)
+            "num_processes": trainer.accelerator.num_processes,
+        }
+        with open(path, "w") as fh:
+            json.dump(state, fh, indent=2)
+
+
+def check_resume(trainer: Any, checkpoint: str) -> None:
+    """ValueError, before anything is loaded, when ``checkpoint`` was saved on another number of
+    processes (``num_processes`` of ``onpolicy_state.json``, or for checkpoints without it the RNG-state
+    files): see :func:`~rlhf_trainers.reliability.check_resume_process_count`."""
+    saved = None
+    path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
+    if os.path.isfile(path):
         with open(path) as fh:
-            state = json.load(fh)
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        # (checkpoints of older versions hold neither: the run then logs as it did before)
-        self._log_buffer.clear()
-        for name, values in state.get("pending_logs", {}).items():
-            self._log_buffer[name].extend(values)
-        counts = state.get("nonfinite_steps")
-        if counts:
-            guard = self._reliability.guard
-            guard.skipped, guard.consecutive = int(counts["skipped"]), int(counts["consecutive"])
+            saved = json.load(fh).get("num_processes")
+    fresh_start = "model=<checkpoint>"
+    if trainer.value_model is not None:
+        fresh_start += f", value_model=os.path.join(<checkpoint>, {VALUE_MODEL_DIR!r})"
+    check_resume_process_count(
+        checkpoint,
+        trainer.accelerator.num_processes,
+        saved=saved,
+        save_on_each_node=trainer.args.save_on_each_node,
+        fresh_start=fresh_start,
+    )
 
-    def load_weights_from_checkpoint(self, checkpoint: str, model: nn.Module | None = None) -> None:
-        """Load the policy (full weights or PEFT adapter) and value model saved by :meth:`write_model`."""
-        unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
-        _load_pretrained_into(unwrapped.policy, checkpoint)
-        if unwrapped.value_model is not None:
-            _load_pretrained_into(unwrapped.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
+
+def load_onpolicy_state(trainer: Any, checkpoint: str) -> None:
+    path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
+    if not os.path.isfile(path):
+        logger.warning(
+            "%s has no %s; the KL controller starts from its initial value.",
+            checkpoint,
+            ONPOLICY_STATE_FILE,
+        )
+        return
+    with open(path) as fh:
+        state = json.load(fh)
+    trainer.kl_ctl.load_state_dict(state["kl_controller"])
+    # (checkpoints of older versions hold neither: the run then logs as it did before)
+    trainer._log_buffer.clear()
+    for name, values in state.get("pending_logs", {}).items():
+        trainer._log_buffer[name].extend(values)
+    counts = state.get("nonfinite_steps")
+    if counts:
+        guard = trainer._reliability.guard
+        guard.skipped, guard.consecutive = int(counts["skipped"]), int(counts["consecutive"])
+
+
+def load_weights_from_checkpoint(trainer: Any, checkpoint: str, model: nn.Module | None = None) -> None:
+    """Load the policy (full weights or PEFT adapter) and value model saved by :func:`write_model`."""
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model if model is None else model)
+    _load_pretrained_into(unwrapped.policy, checkpoint)
+    if unwrapped.value_model is not None:
+        _load_pretrained_into(unwrapped.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
 
 
 def _load_pretrained_into(model: nn.Module, folder: str) -> None:

@@ -1,16 +1,19 @@
-"""OnPolicyTrainer: the loop PPO and RLOO share, as a ``transformers.Trainer``.
+"""OnPolicyTrainer: the on-policy update PPO, RLOO and GRPO share, as a ``transformers.Trainer``.
 
-One *update* (a Trainer step) is :meth:`OnPolicyTrainer._update`, eight numbered steps: 1 prompts,
-2 sample, 3 score, 4 log-probs of policy and reference (+ values), 5 per-token rewards and KL,
-6 advantages (subclass hook), 7 ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps of
-gradient-accumulated micro-batches with the loss (subclass hook), 8 metrics and the KL controller.
-The subclass supplies only what differs between algorithms: which extra model it trains (PPO's value
-model), the advantages, and the loss.
+One *update* (a Trainer step, or several where a step is an optimizer step) is
+:meth:`OnPolicyTrainer._update`, eight numbered steps, each one call to a part of the engine:
 
-The engine's other parts, each a module of this package: ``rollout`` (the typed
-:class:`~rlhf_trainers.onpolicy.rollout.Rollout` and steps 1-5), ``forward`` (the trained module and
-its forward passes), ``generation_mixin`` (sampling), ``setup`` (construction), ``evaluation`` and
-``checkpoint``.
+- a rollout producer (:mod:`~rlhf_trainers.onpolicy.producer`) makes the update's experience, a typed
+  :class:`~rlhf_trainers.onpolicy.rollout.Rollout`, with the policy's sampler
+  (:mod:`~rlhf_trainers.onpolicy.sampling`), the models' forward passes
+  (:mod:`~rlhf_trainers.onpolicy.passes`) and the reward sources;
+- the algorithm's objective (``ppo/objective.py``, ``rloo/objective.py``, ``grpo/objective.py``) gives
+  the per-token rewards, the advantages, the loss and its own metrics;
+- the optimization loop (:mod:`~rlhf_trainers.onpolicy.optimize`) runs the epochs x mini-batches x
+  micro-batches with that loss;
+- the shared metrics (:mod:`~rlhf_trainers.onpolicy.metrics`), evaluation
+  (:mod:`~rlhf_trainers.onpolicy.evaluation`), saving and resuming
+  (:mod:`~rlhf_trainers.onpolicy.checkpoint`) and construction (:mod:`~rlhf_trainers.onpolicy.setup`).
 
 What comes from ``transformers.Trainer`` unchanged: the optimizer and scheduler creation (the schedule
 runs over updates, so the linear default anneals the learning rate to zero at the last update, as LHPD's
@@ -36,49 +39,70 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .. import compat
 from .. import functional as F
+from ..compat import TrainerHooksMixin
 from ..compilation import CompiledBlocks
 from ..cpu_speedups import apply_host_memory_settings
 from ..data import PromptCollator
 from ..distributed_exit import tear_down_process_group_at_exit
-from ..models import _is_peft_model, readable_pad_id
+from ..models import _is_peft_model
 from ..optim import TFStyleAdam
-from ..reliability import AtomicCheckpointMixin, reliability_callback
+from ..reliability import AtomicCheckpoints, reliability_callback
 from ..reward_sources import RewardSources
+from . import checkpoint, evaluation
 from .balance import rebalance
-from .checkpoint import CheckpointMixin
 from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
-from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE, EvaluationMixin
-from .forward import PolicyAndValue, column_bounds, pad_columns
-from .generation_mixin import OnPolicyGenerationMixin
-from .rollout import Advantages, FirstMicroBatch, HeldForward, LossNormalization, Rollout, RolloutSteps
-from .setup import SetupSteps, load_models, policy_tokenizer, resolve_stop_ids
+from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE
+from .forward import PolicyAndValue
+from .metrics import Collectives, rollout_metrics, rollout_sampling_metrics
+from .objective import Objective
+from .optimize import OptimizationLoop
+from .passes import ModelPasses
+from .producer import RolloutProducer, SingleTurnProducer
+from .rollout import Advantages, LossNormalization, Rollout
+from .sampling import PolicySampler
+from .setup import (
+    batch_plan,
+    fill_deepspeed_bucket_sizes,
+    load_models,
+    policy_tokenizer,
+    prepare_prompts,
+    resolve_stop_ids,
+)
 
 if TYPE_CHECKING:
     import datasets
     from peft import PeftConfig
     from transformers import PreTrainedModel, TrainerCallback
 
+    from ..generation import GenerationBackend
+
 logger = logging.getLogger(__name__)
 
 
-class OnPolicyTrainer(
-    CheckpointMixin,
-    EvaluationMixin,
-    OnPolicyGenerationMixin,
-    RolloutSteps,
-    SetupSteps,
-    AtomicCheckpointMixin,
-    Trainer,
-):
-    """The engine of :class:`~rlhf_trainers.PPOTrainer` and :class:`~rlhf_trainers.RLOOTrainer`.
+class OnPolicyTrainer(TrainerHooksMixin, Trainer):
+    """The engine of :class:`~rlhf_trainers.PPOTrainer`, :class:`~rlhf_trainers.RLOOTrainer` and
+    :class:`~rlhf_trainers.GRPOTrainer`.
 
-    Subclasses set ``_config_class`` and ``completions_per_prompt`` and implement
-    :meth:`compute_advantages` and :meth:`compute_policy_loss`; PPO also :meth:`build_value_model`.
-    The constructor's arguments are documented on the subclasses.
+    A subclass sets ``_config_class``, ``objective_class`` (its
+    :class:`~rlhf_trainers.onpolicy.objective.Objective`) and ``completions_per_prompt``; PPO also
+    :meth:`build_value_model`. The constructor's arguments are documented on the subclasses.
+
+    Attributes:
+        producer: the rollout producer (:class:`~rlhf_trainers.onpolicy.producer.RolloutProducer`).
+        objective: the algorithm's advantages, loss and metrics.
+        loop: the optimization loop (:class:`~rlhf_trainers.onpolicy.optimize.OptimizationLoop`).
+        sampler: the policy's sampler (:class:`~rlhf_trainers.onpolicy.sampling.PolicySampler`).
+        passes: the models' forward passes (:class:`~rlhf_trainers.onpolicy.passes.ModelPasses`).
+        collectives: sums, gathers and means over processes.
+        reward_sources: every reward source of the run.
     """
 
     _config_class: type[OnPolicyConfig] = OnPolicyConfig
+    objective_class: type[Objective] = Objective
     algorithm_name = "on-policy"
+    completions_per_prompt: int = 1
+    #: The config field that sets ``completions_per_prompt`` (named in error messages).
+    completions_per_prompt_name = "completions per prompt"
 
     def __init__(
         self,
@@ -107,14 +131,14 @@ class OnPolicyTrainer(
                 "messages, or an 'input_ids' column)."
             )
         processing_class = policy_tokenizer(model, processing_class)
-        self._stop_ids = resolve_stop_ids(args, processing_class)
+        stop_ids = resolve_stop_ids(args, processing_class)
         if reward_model is None and not reward_funcs:
             raise ValueError(
                 "No reward: pass reward_model= (a one-label sequence-classification model or its path), "
                 "reward_funcs= (f(prompts, completions, **columns) -> list[float]), or both."
             )
 
-        # ---- models ----
+        # ---- models and reward sources ----
         models = load_models(
             model,
             ref_model,
@@ -127,10 +151,6 @@ class OnPolicyTrainer(
             self.build_value_model,
         )
         self.is_peft = models.is_peft
-        #: What padding positions hold in the input of every forward pass of the policy, reference and
-        #: value model: the pad id, or 0 where the policy has no embedding row for it (a "[PAD]" token added
-        #: without resizing, as the RLOO blog's snippet does; the positions are masked out of attention).
-        self._input_pad_id: int = readable_pad_id(processing_class.pad_token_id, models.vocab)
         self.ref_model = models.ref_model
         self.reward_model = models.reward_model
         self.reward_sources = RewardSources(
@@ -145,21 +165,22 @@ class OnPolicyTrainer(
         )
 
         # ---- data ----
-        train_dataset, eval_dataset = self._prepare_prompts(
+        self.preprocessing_stats: dict[str, Any] = {}
+        train_dataset, eval_dataset = prepare_prompts(
             train_dataset,
             eval_dataset,
             processing_class,
             args,
             models,
+            stop_ids=stop_ids,
+            reward_model_reads_ids=self.reward_sources.same_tokenizer,
             value_model_given=value_model is not None,
+            stats=self.preprocessing_stats,
         )
-        if data_collator is None:
-            data_collator = PromptCollator(processing_class.pad_token_id)
-
         super().__init__(
             model=PolicyAndValue(models.policy, models.value_model),
             args=args,
-            data_collator=data_collator,
+            data_collator=data_collator or PromptCollator(processing_class.pad_token_id),
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -167,20 +188,39 @@ class OnPolicyTrainer(
             optimizers=optimizers,
         )
         tear_down_process_group_at_exit()
-        self._check_batch_sizes()
-        self._prepare_frozen_models()
-        self._resolve_fused_head()
-        self._resolve_padding_free()
-        self._build_generation_backend()
+
+        # ---- the parts ----
+        plan = batch_plan(
+            args,
+            completions_per_prompt=self.completions_per_prompt,
+            completions_name=self.completions_per_prompt_name,
+            num_prompts=len(self.train_dataset),
+            world=self.accelerator.num_processes,
+            steps_per_update=self.steps_per_update,
+            deepspeed=self.is_deepspeed_enabled,
+        )
+        self.local_prompts, self.batch_size = plan.local_prompts, plan.batch_size
+        self.prompts_per_update, self.updates_per_data_epoch = (
+            plan.prompts_per_update,
+            plan.updates_per_data_epoch,
+        )
+        self.num_updates, self.total_episodes = plan.num_updates, plan.total_episodes
+        fill_deepspeed_bucket_sizes(self)
+        self.collectives = Collectives(self.accelerator)
+        self.objective = self.objective_class(args, self.collectives)
+        self.passes = ModelPasses(self, models.vocab)
+        self.sampler = PolicySampler(self, stop_ids)
+        self.producer: RolloutProducer = SingleTurnProducer(self)
+        self.loop = OptimizationLoop(self)
         self._compiled = self._compile_blocks()
         self.kl_ctl: F.AdaptiveKLController | F.FixedKLController = (
             F.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
             if args.adaptive_kl
             else F.FixedKLController(args.kl_coef)
         )
+        self._checkpoints = AtomicCheckpoints(self)
         self._log_buffer: dict[str, list[float]] = defaultdict(list)
         self._pass_open = False
-        self._ratio_warned = False
         #: True when the last train() stopped early on SIGTERM/SIGINT (``save_on_interrupt``).
         self.interrupted = False
         # (the engine steps its learning-rate schedule itself, skipped optimizer steps included)
@@ -211,6 +251,32 @@ class OnPolicyTrainer(
                 )
             accelerator_args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
         return accelerator_args
+
+    def _compile_blocks(self) -> CompiledBlocks | None:
+        """``torch_compile``: the repeated blocks (decoder layers) of the policy, value, reference and
+        reward models, compiled for the engine's passes (:class:`~rlhf_trainers.compilation.CompiledBlocks`);
+        None when off."""
+        args = self.args
+        if not args.torch_compile:
+            return None
+        if self.is_deepspeed_enabled:
+            raise ValueError(TORCH_COMPILE_WITH_DEEPSPEED)
+        frozen = [m for m in (self.ref_model, self.reward_model) if m is not None]
+        compiled = CompiledBlocks(
+            [self.policy, self.value_model, *frozen],
+            backend=args.torch_compile_backend,
+            mode=args.torch_compile_mode,
+        )
+        if not len(compiled):
+            logger.warning(
+                "torch_compile=True: no repeated blocks found in the models (no _no_split_modules and no "
+                "ModuleList of one class); they run eager."
+            )
+        return compiled
+
+    def _compiled_passes(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of the engine's passes: the compiled blocks active under ``torch_compile``."""
+        return self._compiled.active() if self._compiled is not None else contextlib.nullcontext()
 
     def _compile_blocks(self) -> CompiledBlocks | None:
         """``torch_compile``: the repeated blocks (decoder layers) of the policy, value, reference and
@@ -318,186 +384,77 @@ class OnPolicyTrainer(
     # ---- one update ------------------------------------------------------------------------------
 
     def _update(self, model: nn.Module, update: int) -> dict[str, float]:
-        """One on-policy update (one Trainer step): the whole algorithm, step by step. The subclass
-        supplies step 6 (:meth:`compute_advantages`) and the loss of step 7 (:meth:`compute_policy_loss`)."""
+        """One on-policy update (one Trainer step): the whole algorithm, step by step."""
         timings: dict[str, float] = defaultdict(float)
         start = time.perf_counter()
 
-        # 1. prompts: this process's share of the update's prompts, from a permutation fixed by `seed` and
-        #    the pass over the data, so the order depends on the update index only (resume-safe).
-        batch = self._prompt_batch(update)
-
-        # Steps 2-5 take no gradient and run in the training precision: under bf16/fp16 the same autocast
-        # as the training forward pass, so its first step recomputes the rollout's log-probs (ratio 1).
-        with torch.no_grad(), self.accelerator.autocast():
-            # 2. sample: k completions per prompt (the batch repeated k times, completion j of prompt i at
-            #    row j * B + i, the RLOO blog's layout), cut after the stop token (LHPD's truncation); the
-            #    sampling loop's own log-probs when the rollout or the loss reads them.
-            samples = self.sample_responses(
-                batch, self.completions_per_prompt, self._wants_generation_logprobs(), timings
-            )
-            # 3. score: every reward source on the completions; the reward model reads the policy's ids
-            #    when it shares the tokenizer, the decoded text otherwise.
-            scores = self.score_samples(samples, timings)
-            if self.args.dynamic_sampling:
-                # DAPO: groups whose completions scored alike are replaced by new prompts' groups.
-                samples, scores = self.dynamic_sampling(batch, samples, scores, update, timings)
-            # 4. log-probs of policy and reference (+ values): the "old" log-probs of the clipped ratio,
-            #    the KL's other side, and PPO's V(s_t); padding columns trimmed out of each forward pass.
-            #    (With rollout_values='auto' the values wait for step 6a.)
-            held_values = self.values_from_training_pass
-            passes = self.rollout_logprobs(samples, timings, with_values=not held_values)
-            # 5a. the shaped scores (scaling, clipping, overlong and stop-token penalties, in that order),
-            #     the per-token KL estimate, and rows without a finite reward masked out of the update.
-            rollout = self.assemble_rollout(samples, scores, passes)
-        # 5b. per-token rewards: -kl_coef * KL at every token, the score added at the last one (LHPD).
+        # 1. rollout (the producer): this process's prompts of the update, k completions each, scored by
+        #    the reward sources, with the log-probs of policy and reference (PPO: and the values), the
+        #    per-token KL and the shaped scores; rows without a finite reward masked out. No gradient.
+        rollout = self.producer.produce(update, timings, with_values=not self.loop.values_from_training_pass)
+        # 2. per-token rewards: -kl_coef * KL at every token, the score added at the last one (LHPD).
         rewards = self.token_rewards(rollout)
-
-        # 6a. (PPO, rollout_values='auto') the values: a no-grad pass gives them to the rows outside step
-        #     7's first micro-batch; that micro-batch then runs its training forward pass, before any
-        #     optimizer step, so its values are the rollout's for its rows (its graph is kept for step 7's
-        #     backward pass; the no-grad pass runs first so that the two do not hold memory at once).
-        held = None
-        if held_values:
-            first = self._first_micro_batch(rollout, update)
-            values = self.rollout_values(rollout, first.rows, timings)
-            began = time.perf_counter()
-            held = self._first_training_forward(model, rollout, first)
-            timings["timing/update"] += time.perf_counter() - began
-            rows = held.rows.to(values.device)
-            values[rows] = held.values.detach().float().masked_fill(~rollout.response_mask[rows], 0.0)
-            rollout.values = values
-
-        # 6. advantages (subclass hook): PPO's GAE over the values, RLOO's leave-one-out baseline over the
-        #    k completions of each prompt.
+        # 3. (PPO, rollout_values='auto') the values of the optimization's first micro-batch from its
+        #    training forward pass, the others' from a no-grad pass; that forward pass is kept for step 5.
+        self.loop.fill_values(model, rollout, update, timings)
+        # 4. advantages (the objective): PPO's GAE over the values, RLOO's leave-one-out baseline over the
+        #    k completions of each prompt, GRPO's registered advantage_estimator.
         began = time.perf_counter()
         advantages = self.compute_advantages(rollout, rewards)
         timings["timing/advantages"] += time.perf_counter() - began
-
-        # 7. num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps
-        #    micro-batches, a new shuffle every epoch; the loss is the subclass hook (compute_policy_loss).
-        #    With balance_batch (several processes), the rows first move so each process trains about as
-        #    many tokens as the others (the groups were whole for step 6; the loss is per row).
+        # 5. num_ppo_epochs x num_mini_batches optimizer steps, each over gradient-accumulated micro-batches,
+        #    a new shuffle every epoch, with the objective's loss. With balance_batch (several processes)
+        #    the rows first move so each process trains about as many tokens as the others.
         began = time.perf_counter()
-        trained, trained_advantages, balance = rollout, advantages, {}
-        if self.args.balance_batch and self.accelerator.num_processes > 1:
-            trained, trained_advantages, balance = rebalance(
-                rollout,
-                advantages,
-                pad_token_id=self.processing_class.pad_token_id,
-                device=self.accelerator.device,
-            )
-        stats = self._optimize(model, trained, trained_advantages, update, held)
-        stats.update(balance)
+        stats = self._optimize(model, rollout, advantages, update)
         timings["timing/update"] += time.perf_counter() - began
-
-        # 8. metrics (TRL's names, over all processes) and the KL controller, which adapts kl_coef to the
-        #    measured KL (LHPD's adaptive controller; a constant with adaptive_kl=False).
+        # 6. metrics (TRL's names, over all processes): the rollout's, the objective's and the loop's.
         metrics = self.rollout_metrics(rollout, advantages)
         metrics.update(stats)
         metrics.update(timings)
-        elapsed = time.perf_counter() - start
-        tokens = rollout.query_mask.sum() + rollout.response_mask.sum()
-        tokens = float(self._gather(tokens.reshape(1).float()).sum())
-        metrics["timing/step"] = elapsed
-        metrics["perf/tokens_per_sec"] = tokens / elapsed
-        metrics["perf/episodes_per_sec"] = self.batch_size / elapsed
+        # 7. throughput of the update.
+        metrics.update(self._throughput(rollout, time.perf_counter() - start))
+        # 8. the KL controller adapts kl_coef to the measured KL (LHPD's adaptive controller; a constant
+        #    with adaptive_kl=False).
         self.kl_ctl.update(metrics.get("objective/kl", 0.0), self.batch_size)
         metrics["objective/kl_coef"] = self.kl_ctl.value
         self._last_rollout, self._last_advantages = rollout, advantages
         return metrics
 
-    @property
-    def values_from_training_pass(self) -> bool:
-        """Whether the update takes the rollout's values of step 7's first micro-batch from that
-        micro-batch's training forward pass (``rollout_values='auto'``, PPO) instead of step 4's no-grad
-        pass: where there is a value model, dropout is off (the training pass computes what a no-grad
-        pass would), and the rows trained are the rows rolled out on this process with an engine that
-        lets a forward pass wait for its backward (not DeepSpeed, no ``balance_batch`` over several
-        processes)."""
-        args = self.args
-        return bool(
-            self.value_model is not None
-            and getattr(args, "rollout_values", "forward") == "auto"
-            and args.disable_dropout
-            and not self.is_deepspeed_enabled
-            and not (args.balance_batch and self.accelerator.num_processes > 1)
-        )
-
-    def _epoch_orders(self, N: int, update: int) -> list[torch.Tensor]:
-        """The shuffles of step 7, one per epoch (host tensors): fixed by ``seed``, the process and the
-        update, so a resumed run and step 6a see the same."""
-        args = self.args
-        return [
-            torch.randperm(
-                N,
-                generator=torch.Generator().manual_seed(
-                    hash((args.seed, self.accelerator.process_index, update, epoch)) % (2**63)
-                ),
+    def _optimize(
+        self, model: nn.Module, rollout: Rollout, advantages: Advantages, update: int
+    ) -> dict[str, float]:
+        """Step 5: the optimization loop over the rollout (after :func:`~.balance.rebalance` with
+        ``balance_batch`` on several processes; the groups were whole for step 4, the loss is per row)."""
+        balance: dict[str, float] = {}
+        if self.args.balance_batch and self.accelerator.num_processes > 1:
+            rollout, advantages, balance = rebalance(
+                rollout,
+                advantages,
+                pad_token_id=self.processing_class.pad_token_id,
+                device=self.accelerator.device,
             )
-            for epoch in range(args.num_ppo_epochs)
-        ]
+        stats = self.loop.run(model, rollout, advantages, update)
+        stats.update(balance)
+        return stats
 
-    def _first_micro_batch(self, rollout: Rollout, update: int) -> FirstMicroBatch:
-        """Step 7's first micro-batch (epoch 0, mini-batch 0), as :meth:`_optimize` will split it."""
-        query_start = F.first_true_indices(rollout.query_mask).cpu()
-        response_end = (F.last_true_indices(rollout.response_mask) + 1).cpu()
-        order = self._epoch_orders(rollout.response.shape[0], update)[0]
-        Q = rollout.query.shape[1]
-        micro_batches = self.micro_batches(
-            order[: self.args.local_mini_batch_size], query_start, response_end, Q
-        )
-        rows = micro_batches[0]
-        return FirstMicroBatch(
-            rows=rows,
-            bounds=column_bounds(query_start[rows], response_end[rows], Q),
-            last=len(micro_batches) == 1,
-        )
-
-    def _first_training_forward(
-        self, model: nn.Module, rollout: Rollout, first: FirstMicroBatch
-    ) -> HeldForward:
-        """Step 6a: the training forward pass of step 7's first micro-batch, with gradient, under the
-        gradient-sync context step 7 will run its backward pass in."""
-        with self._micro_batch_sync(model, last=first.last):
-            logprobs, values, entropy = self._training_forward(
-                model, rollout, first.rows.to(rollout.response.device), first.bounds
-            )
-        assert values is not None, "rollout_values='auto' needs the value model's values"
-        return HeldForward(first.rows, logprobs, values, entropy)
-
-    def _micro_batch_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """The gradient-sync context of a micro-batch's forward and backward passes: accumulation without
-        an all-reduce except at the mini-batch's last micro-batch (DDP's ``no_sync``; DeepSpeed and a
-        single process need none)."""
-        compat.set_sync_gradients(self.accelerator, last)
-        if last or self.is_deepspeed_enabled or self.accelerator.num_processes == 1:
-            return contextlib.nullcontext()
-        return self.accelerator.no_sync(model)
-
-    def _wants_generation_logprobs(self) -> bool:
-        """Whether step 2 keeps the sampling loop's log-probs: as the rollout's own
-        (:attr:`logprobs_from_generation`) or for the loss (:attr:`needs_generation_logprobs`)."""
-        return self.needs_generation_logprobs or self.logprobs_from_generation
+    def _throughput(self, rollout: Rollout, elapsed: float) -> dict[str, float]:
+        """``timing/step`` and the tokens and episodes per second of an update (over all processes)."""
+        tokens = rollout.query_mask.sum() + rollout.response_mask.sum()
+        tokens = float(self.collectives.gather(tokens.reshape(1).float()).sum())
+        return {
+            "timing/step": elapsed,
+            "perf/tokens_per_sec": tokens / elapsed,
+            "perf/episodes_per_sec": self.batch_size / elapsed,
+        }
 
     def rollout(self, batch: dict[str, Any], timings: dict[str, float] | None = None) -> Rollout:
-        """Steps 2-5a of :meth:`_update` for a collated prompt ``batch`` (this process's share), as the
-        update runs them: sampled, scored, with the log-probs of policy and reference, values and KL, in
-        the training precision (with ``rollout_logprobs='generation'`` up to the rounding of the cached
-        decode). The per-token rewards are :meth:`token_rewards` of the result."""
-        timings = timings if timings is not None else defaultdict(float)
-        with torch.no_grad(), self.accelerator.autocast():
-            samples = self.sample_responses(
-                batch, self.completions_per_prompt, self._wants_generation_logprobs(), timings
-            )
-            scores = self.score_samples(samples, timings)
-            return self.assemble_rollout(samples, scores, self.rollout_logprobs(samples, timings))
+        """The rollout of a collated prompt ``batch`` (this process's share) as the update makes it:
+        sampled, scored, with the log-probs of policy and reference, values and KL, in the training
+        precision. The per-token rewards are :meth:`token_rewards` of the result."""
+        return self.producer.rollout(batch, timings)
 
-    # ---- subclass hooks ---------------------------------------------------------------------------
-
-    completions_per_prompt: int = 1
-    #: The config field that sets ``completions_per_prompt`` (named in error messages).
-    completions_per_prompt_name = "completions per prompt"
+    # ---- the algorithm (the objective) ----------------------------------------------------------------
 
     @property
     def steps_per_update(self) -> int:
@@ -509,22 +466,55 @@ class OnPolicyTrainer(
     @property
     def needs_generation_logprobs(self) -> bool:
         """Whether the rollout keeps the generation's own log-probs (``Rollout.generation_logprobs``):
-        with ``use_vllm`` (the mismatch metrics and importance weights); subclasses add their reasons."""
-        return bool(self.args.use_vllm)
+        with ``use_vllm`` (the mismatch metrics and importance weights), or for the objective's loss."""
+        return bool(self.args.use_vllm) or self.objective.needs_generation_logprobs
+
+    @property
+    def wants_generation_logprobs(self) -> bool:
+        """Whether sampling keeps its own log-probs: as the rollout's (:attr:`logprobs_from_generation`)
+        or for the loss (:attr:`needs_generation_logprobs`)."""
+        return self.needs_generation_logprobs or self.logprobs_from_generation
+
+    @property
+    def logprobs_from_generation(self) -> bool:
+        """Whether the rollout takes its log-probs and entropy from the sampling loop
+        (``rollout_logprobs``, with 'auto' resolved against the policy's dtype and the precision)."""
+        return self.sampler.logprobs_from_generation
+
+    @property
+    def vllm_logprobs_are_old(self) -> bool:
+        """Whether the rollout's log-probs (the clipped ratio's denominator) are vLLM's own
+        (``rollout_logprobs='generation'`` with ``use_vllm``, verl's bypass mode): no policy forward pass in
+        the rollout, no separate importance weights, and the mismatch metrics measured on the update's
+        first mini-batch, before its first optimizer step."""
+        return bool(self.args.use_vllm and self.logprobs_from_generation)
+
+    @property
+    def generation_backend(self) -> GenerationBackend:
+        """The generation backend (:mod:`rlhf_trainers.generation`), chosen once at construction."""
+        return self.sampler.backend
+
+    @property
+    def weight_sync_seconds(self) -> float:
+        """Seconds of the generation backend's last weight sync (vLLM), 0 where it has none."""
+        return float(getattr(self.generation_backend, "last_sync_seconds", 0.0))
+
+    def token_rewards(self, rollout: Rollout) -> torch.Tensor:
+        """Step 2: (N, R) per-token rewards of ``rollout`` at the current ``kl_coef`` (the objective's)."""
+        return self.objective.token_rewards(rollout, self.kl_ctl.value)
 
     def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
-        """Step 6: the advantages of ``rollout`` (and what else the loss reads, e.g. PPO's returns).
+        """Step 4: the advantages of ``rollout`` (and what else the loss reads, e.g. PPO's returns).
 
         Args:
             rollout: the update's :class:`~rlhf_trainers.onpolicy.rollout.Rollout` (not to be modified).
-            rewards: (N, R) per-token rewards (:meth:`token_rewards`: ``-kl_coef * KL`` per token, the
-                shaped score at the last token).
+            rewards: (N, R) per-token rewards (:meth:`token_rewards`).
 
         Returns:
             An :class:`~rlhf_trainers.onpolicy.rollout.Advantages`: ``advantages`` (N, R) or (N, 1), and
-            the optional fields the subclass's loss and metrics use.
+            the optional fields the objective's loss and metrics use.
         """
-        raise NotImplementedError
+        return self.objective.advantages(rollout, rewards, self.kl_ctl.value)
 
     def compute_policy_loss(
         self,
@@ -536,7 +526,7 @@ class OnPolicyTrainer(
         normalization: LossNormalization | None = None,
         entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Step 7's loss of one micro-batch.
+        """Step 5's loss of one micro-batch (the objective's).
 
         Args:
             rollout: the update's rollout; ``rollout.X[rows]`` are the micro-batch's rows.
@@ -545,9 +535,8 @@ class OnPolicyTrainer(
             logprobs: (M, R) log-probs of the responses under the current policy, with gradient.
             values: (M, R) the value model's current V(s_t), with gradient (PPO); None without one.
             normalization: the denominators of the optimizer step's loss (tokens and sequences of the
-                whole mini-batch over all processes, :meth:`LossNormalization.denominator`): dividing the
-                micro-batch's summed loss by them makes it its share of the mini-batch's loss. None:
-                the micro-batch's own counts (``LossNormalization.local``), as when calling it directly.
+                whole mini-batch over all processes): dividing the micro-batch's summed loss by them makes
+                it its share of the mini-batch's loss. None: the micro-batch's own counts.
             entropy: (M, R) the policy's entropy at each response position, with gradient, when
                 ``entropy_coeff`` is not 0 (the bonus ``-entropy_coeff x entropy`` per token); else None.
 
@@ -555,505 +544,84 @@ class OnPolicyTrainer(
             ``(loss, metrics)``: the micro-batch's share of the mini-batch's loss, back-propagated as it
             is, and detached scalar metrics (``loss/*`` are shares like the loss, the others means).
         """
-        raise NotImplementedError
-
-    # ---- the optimisation ------------------------------------------------------------------------
-
-    def _training_forward(
-        self,
-        model: nn.Module,
-        rollout: Rollout,
-        rows: torch.Tensor,
-        bounds: tuple[int, int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Log-probs (with gradient), values (PPO) and the entropy (with gradient: ``entropy_coeff``) of
-        rollout ``rows``.
-
-        The forward pass covers only the columns some row of the micro-batch needs (``bounds``: first
-        prompt column, end of the response columns; computed from the masks when None): leading prompt
-        padding and the response padding after the longest response are left out, and the outputs are
-        padded back to the rollout's response length with zeros at those (masked) positions."""
-        R = rollout.response.shape[1]
-        ids, mask, positions, response, packing = self._pass_inputs(
-            rollout.query[rows],
-            rollout.query_mask[rows],
-            rollout.response[rows],
-            rollout.response_mask[rows],
-            bounds,
-            training=True,
+        return self.objective.loss(
+            rollout, advantages, rows, logprobs, values, normalization, entropy, step=self.state.global_step
         )
-        logprobs, values, entropy = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            with_values=self.value_model is not None,
-            response=response,
-            logprob_options=self._logprob_options(),
-            fused_head=self._fused_policy,
-            policy_packing=packing if self._pack_policy else None,
-            value_packing=packing if self._pack_values else None,
-        )
-        if values is not None:
-            values = pad_columns(values.float(), R)
-        return pad_columns(logprobs, R), values, pad_columns(entropy, R)
-
-    def _optimize(
-        self,
-        model: nn.Module,
-        rollout: Rollout,
-        advantages: Advantages,
-        update: int,
-        held: HeldForward | None = None,
-    ) -> dict[str, float]:
-        """Step 7: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over the rollout, each over
-        ``gradient_accumulation_steps`` micro-batches (or those of the token budget,
-        :meth:`micro_batches`); returns the mean metrics over processes. ``held``: the first micro-batch's
-        forward pass, already run (step 6a)."""
-        args = self.args
-        N = rollout.response.shape[0]
-        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
-        grad_norms: list[float] = []
-        is_deepspeed = self.is_deepspeed_enabled
-        # Per row, on the host (one transfer per update, none per micro-batch): first real prompt column
-        # and one past the last valid response column, from which each micro-batch's trim is read.
-        query_start = F.first_true_indices(rollout.query_mask).cpu()
-        response_end = (F.last_true_indices(rollout.response_mask) + 1).cpu()
-        orders = self._epoch_orders(N, update)
-        normalizations = self._loss_normalizations(rollout, orders)
-        # vLLM's log-probs as the old ones: the first mini-batch's pass (the weights vLLM sampled with) is
-        # where the trainer's own log-probs of the rollout are seen; the mismatch metrics come from it.
-        mismatch: list[torch.Tensor] = []
-        Q = rollout.query.shape[1]
-        micro_batch_counts: list[int] = []
-        for epoch, order_on_host in enumerate(orders):
-            for mini_batch in range(args.num_mini_batches):
-                size = args.local_mini_batch_size
-                micro_batches = self.micro_batches(
-                    order_on_host[mini_batch * size : (mini_batch + 1) * size], query_start, response_end, Q
-                )
-                micro_batch_counts.append(len(micro_batches))
-                loss_sums: dict[str, torch.Tensor] = {}
-                for micro, on_host in enumerate(micro_batches):
-                    rows = on_host.to(rollout.response.device)
-                    bounds = column_bounds(query_start[on_host], response_end[on_host], Q)
-                    with self._micro_batch_sync(model, last=micro == len(micro_batches) - 1):
-                        if held is not None:  # step 6a ran this micro-batch's forward pass
-                            if not torch.equal(held.rows, on_host):
-                                raise RuntimeError(
-                                    "The first micro-batch of step 7 is not the one whose forward pass "
-                                    f"step 6a ran (rows {held.rows.tolist()} vs {on_host.tolist()})."
-                                )
-                            logprobs, values, entropy = held.logprobs, held.values, held.entropy
-                            held = None
-                        else:
-                            logprobs, values, entropy = self._training_forward(model, rollout, rows, bounds)
-                        if epoch == 0 and mini_batch == 0 and micro == 0:
-                            self._check_ratio_at_start(logprobs.detach(), rollout, rows, stats)
-                        if epoch == 0 and mini_batch == 0 and self.vllm_logprobs_are_old:
-                            mask = rollout.response_mask[rows]
-                            mismatch.append((logprobs.detach() - rollout.logprobs[rows]).float()[mask])
-                        loss, metrics = self.compute_policy_loss(
-                            rollout,
-                            advantages,
-                            rows,
-                            logprobs,
-                            values,
-                            normalizations[epoch][mini_batch],
-                            entropy=entropy if args.entropy_coeff else None,
-                        )
-                        # The loss is already this micro-batch's share of the mini-batch's (its
-                        # denominators count the whole mini-batch): no division by the accumulation steps.
-                        kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
-                        self.accelerator.backward(loss, **kwargs)
-                    # detached: the metric must not keep the micro-batch's graph alive
-                    stats["policy/entropy_avg"].append(
-                        F.masked_mean(entropy.detach(), rollout.response_mask[rows])
-                    )
-                    for name, value in metrics.items():
-                        if name.startswith("loss/"):
-                            # shares of the mini-batch's loss: summed over its micro-batches
-                            loss_sums[name] = loss_sums.get(name, 0.0) + value.detach().float()
-                        else:
-                            stats[name].append(value.detach().float())
-                for name, value in loss_sums.items():
-                    stats[name].append(value)
-                if args.max_grad_norm and args.max_grad_norm > 0:
-                    norm = compat.clip_grad_norm(self, model)
-                    grad_norms.append(float(norm.item() if hasattr(norm, "item") else norm))
-                    # The clipping norm covers the parameters the optimizer steps: when it is finite the
-                    # non-finite-step guard need not scan every gradient again.
-                    self._reliability.guard.note_grad_norm(grad_norms[-1])
-                # (under DeepSpeed the engine stepped in the last backward; the callbacks hear it here, as
-                # in Trainer's loop, and the non-finite guard counts a step the engine skipped)
-                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-                self.optimizer.step()
-                self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-                if self.steps_per_update > 1:
-                    self.lr_scheduler.step()  # a step is an optimizer step: the schedule moves with each
-                model.zero_grad()
-        if args.max_tokens_per_microbatch is not None:
-            stats["perf/micro_batches_per_step"].append(
-                torch.tensor(sum(micro_batch_counts) / len(micro_batch_counts))
-            )
-        reduced = self._reduce_means({name: torch.stack(v).mean() for name, v in stats.items()})
-        if grad_norms:
-            reduced["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        if self.vllm_logprobs_are_old:
-            diff = torch.cat(mismatch) if mismatch else rollout.logprobs.new_zeros(0)
-            reduced.update(self._sampling_mismatch_metrics(diff, None))
-        return reduced
-
-    def micro_batches(
-        self, rows: torch.Tensor, query_start: torch.Tensor, response_end: torch.Tensor, query_width: int
-    ) -> list[torch.Tensor]:
-        """How one mini-batch (``rows``, host indices into the rollout, in the shuffled order) is split
-        into micro-batches: ``gradient_accumulation_steps`` of ``per_device_train_batch_size`` rows, or,
-        with ``max_tokens_per_microbatch``, as few micro-batches as keep each one's padded size (rows x
-        its trimmed columns; its real tokens when the policy's passes are packed, ``padding_free``) within
-        the budget: rows longest first, packed greedily (a row longer than
-        the budget alone). The loss denominators count the whole mini-batch, so the split changes the
-        gradient only by float rounding."""
-        args = self.args
-        budget = args.max_tokens_per_microbatch
-        if budget is None:
-            return list(rows.split(args.per_device_train_batch_size))
-        prompt = (query_width - query_start[rows]).clamp_max(query_width)
-        lengths = prompt + response_end[rows]
-        order = rows[torch.argsort(lengths, descending=True, stable=True)]
-        # Padding-free passes cost the real tokens (packed), padded ones rows x the widest row.
-        packed = self._pack_policy
-        parts: list[list[int]] = []
-        widest_prompt = widest_response = tokens = 0
-        for row in order.tolist():
-            p = int(query_width - query_start[row])
-            r = int(response_end[row])
-            if parts:
-                width = max(widest_prompt, p) + max(widest_response, r)
-                cost = tokens + p + r if packed else (len(parts[-1]) + 1) * width
-                if cost <= budget:
-                    parts[-1].append(row)
-                    widest_prompt, widest_response = max(widest_prompt, p), max(widest_response, r)
-                    tokens += p + r
-                    continue
-            parts.append([row])
-            widest_prompt, widest_response, tokens = p, r, p + r
-        return [torch.tensor(part, dtype=rows.dtype) for part in parts]
-
-    def _loss_normalizations(
-        self, rollout: Rollout, orders: list[torch.Tensor]
-    ) -> list[list[LossNormalization]]:
-        """The denominators of every optimizer step of the update (per epoch, per mini-batch): the valid
-        tokens and the sequences with a valid token of the mini-batch, summed over its micro-batches and
-        over all processes (one collective for the whole update), divided by the number of processes
-        (data-parallel gradients are averaged over them)."""
-        args = self.args
-        mask = rollout.response_mask.cpu()
-        tokens, sequences = mask.sum(1).double(), mask.any(1).double()
-        size = args.local_mini_batch_size
-        counts = torch.stack(
-            [
-                torch.stack(
-                    [tokens[order].reshape(-1, size).sum(1), sequences[order].reshape(-1, size).sum(1)]
-                )
-                for order in orders
-            ]
-        )  # (epochs, 2, mini-batches)
-        world = self.accelerator.num_processes
-        if world > 1:
-            counts = self._all_reduce(counts.to(self.accelerator.device)).cpu()
-        counts = (counts / world).float()
-        device = rollout.response.device
-        return [
-            [
-                LossNormalization(
-                    tokens=counts[e, 0, m].to(device),
-                    sequences=counts[e, 1, m].to(device),
-                    max_length=args.response_length,
-                )
-                for m in range(counts.shape[2])
-            ]
-            for e in range(counts.shape[0])
-        ]
-
-    def kl_loss(self, rollout: Rollout, rows: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
-        """``kl_loss_coef`` x the per-token KL estimate (``kl_loss_estimator``) of the current policy
-        against the reference, for the loss (GRPO's ``beta`` term); None when ``kl_loss_coef`` is 0."""
-        if not self.args.kl_loss_coef:
-            return None
-        kl = F.kl_penalty(logprobs, rollout.ref_logprobs[rows], self.args.kl_loss_estimator)
-        return self.args.kl_loss_coef * kl
-
-    def token_policy_loss(
-        self,
-        rollout: Rollout,
-        advantages: torch.Tensor,
-        rows: torch.Tensor,
-        logprobs: torch.Tensor,
-        normalization: LossNormalization | None,
-        importance_weights: torch.Tensor | None = None,
-        entropy: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
-        """PPO's clipped loss per token of the micro-batch ``rows``: the ratio per token or of the sequence
-        (``importance_sampling_level``), ``importance_weights`` ((M, R), or (M, 1) for a whole sequence),
-        the KL loss term (``kl_loss_coef``) and the entropy bonus (``-entropy_coeff x entropy``, when the
-        differentiable ``entropy`` is given), reduced with ``loss_agg_mode`` by ``normalization`` (None:
-        the micro-batch's own counts). Returns ``(loss, metrics, aggregation)``: the metrics of
-        :meth:`policy_loss_metrics`, and the aggregation keywords (for a value loss reduced alike)."""
-        args = self.args
-        mask = rollout.response_mask[rows]
-        old = rollout.logprobs[rows]
-        if normalization is None:
-            normalization = LossNormalization.local(mask, args.response_length)
-        if importance_weights is not None and importance_weights.shape != mask.shape:
-            importance_weights = importance_weights.expand_as(mask)  # a sequence's weight at every token
-        aggregation = normalization.aggregation(args.loss_agg_mode)
-        kl_loss = self.kl_loss(rollout, rows, logprobs)
-        extra = self.extra_token_loss(kl_loss, entropy)
-        loss, pm = F.clipped_policy_loss(
-            self.ratio_logprobs(logprobs, old, mask),
-            old,
-            advantages,
-            mask,
-            clip_low=args.cliprange,
-            clip_high=args.cliprange_high,
-            dual_clip=args.dual_clip,
-            importance_weights=importance_weights,
-            extra_loss=extra,
-            **aggregation,
-        )
-        return loss, self.policy_loss_metrics(loss, pm, kl_loss, mask), aggregation
-
-    def extra_token_loss(
-        self, kl_loss: torch.Tensor | None, entropy: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """The per-token terms added to the clipped loss: the KL loss (``kl_loss``, already scaled) and
-        the entropy bonus ``-entropy_coeff x entropy`` (``entropy`` given only when the coefficient is
-        not 0); None when there is neither."""
-        terms = [
-            t
-            for t in (kl_loss, None if entropy is None else -self.args.entropy_coeff * entropy)
-            if t is not None
-        ]
-        if not terms:
-            return None
-        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-    def policy_loss_metrics(
-        self,
-        loss: torch.Tensor,
-        pm: dict[str, torch.Tensor],
-        kl_loss: torch.Tensor | None,
-        mask: torch.Tensor,
-    ) -> dict[str, torch.Tensor]:
-        """The metrics of a clipped policy loss (TRL's names): ``loss/policy_avg``, approx. KL, clip
-        fractions, ratio mean and variance, and ``policy/kl_loss_avg`` with a KL loss term."""
-        metrics = {
-            "loss/policy_avg": loss.detach(),
-            "policy/approxkl_avg": pm["approxkl"],
-            "policy/clipfrac_avg": pm["clipfrac"],
-            "policy/dual_clipfrac_avg": pm["dual_clipfrac"],
-            "val/ratio": pm["ratio_mean"],
-            "val/ratio_var": pm["ratio_var"],
-        }
-        if kl_loss is not None:
-            metrics["policy/kl_loss_avg"] = F.masked_mean(kl_loss.detach() / self.args.kl_loss_coef, mask)
-        return metrics
-
-    def ratio_logprobs(
-        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """The log-probs whose difference to ``old_logprobs`` is the clipped ratio's log: ``logprobs`` for
-        ``importance_sampling_level='token'``; for ``'sequence'`` (GSPO) ``old + mean over the sequence's
-        valid tokens of (logprobs - old)`` at every token, so each token's ratio is the sequence's."""
-        if self.args.importance_sampling_level == "token":
-            return logprobs
-        mask = mask.to(logprobs.dtype)
-        mean = ((logprobs - old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(
-            1
-        )
-        return old_logprobs + mean.expand_as(logprobs)
-
-    def _check_ratio_at_start(
-        self,
-        logprobs: torch.Tensor,
-        rollout: Rollout,
-        rows: torch.Tensor,
-        stats: dict[str, list[torch.Tensor]],
-    ) -> None:
-        """Numerics guard: before any optimizer step of an update the policy is the one that produced the
-        rollout log-probs, so the ratio must be 1 up to rounding."""
-        mask = rollout.response_mask[rows]
-        diff = (logprobs - rollout.logprobs[rows]) * mask
-        deviation = (diff.exp() - 1).abs() * mask
-        worst = deviation.max() if deviation.numel() else torch.zeros((), device=logprobs.device)
-        stats["policy/ratio_at_start"].append(worst.float())
-        # The RLOO blog's view of the same thing: the ratio of whole sequences (what a sequence-level
-        # loss clips), where small per-token differences multiply.
-        seq_ratio = diff.sum(1).exp()[mask.any(1)]
-        if seq_ratio.numel():
-            clip = self.args.cliprange
-            stats["policy/seq_ratio_at_start_mean"].append(seq_ratio.mean().float())
-            stats["policy/seq_ratio_at_start_max"].append(seq_ratio.max().float())
-            stats["policy/seq_ratio_at_start_clipfrac"].append(
-                ((seq_ratio < 1 - clip) | (seq_ratio > 1 + clip)).float().mean()
-            )
-        if float(worst) > self.args.ratio_tolerance and not self._ratio_warned and self.args.should_log:
-            self._ratio_warned = True
-            if self.vllm_logprobs_are_old:
-                logger.warning(
-                    "policy ratio at the first mini-batch deviates from 1 by %.3g (> ratio_tolerance=%g): with "
-                    "rollout_logprobs='generation' the ratio's denominator is vLLM's log-prob, and vLLM's "
-                    "distribution differs from the trained one (see sampling/sampling_logp_difference); the clip "
-                    "then acts on that difference too. Run vLLM in the policy's dtype (vllm_dtype='auto') or "
-                    "use rollout_logprobs='auto' (recomputed log-probs + vllm_importance_sampling_correction).",
-                    float(worst),
-                    self.args.ratio_tolerance,
-                )
-                return
-            logger.warning(
-                "policy ratio at the first mini-batch deviates from 1 by %.3g (> ratio_tolerance=%g): the rollout "
-                "log-probs and the training forward pass disagree. Keep logprobs_in_fp32=True, run both passes in "
-                "the same precision, and keep dropout off (disable_dropout=True).",
-                float(worst),
-                self.args.ratio_tolerance,
-            )
-
-    def _reduce_means(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Means over processes of per-process scalars (one collective)."""
-        if not values:
-            return {}
-        names = sorted(values)
-        stacked = torch.stack([values[n].detach().float().to(self.accelerator.device) for n in names])
-        if self.accelerator.num_processes > 1:
-            stacked = self.accelerator.reduce(stacked, reduction="mean")
-        return {n: float(v) for n, v in zip(names, stacked.tolist(), strict=True)}
-
-    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.to(self.accelerator.device)
-        return self.accelerator.gather(tensor) if self.accelerator.num_processes > 1 else tensor
-
-    # ---- metrics ---------------------------------------------------------------------------------
 
     def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
-        """Step 8: TRL's objective/* and val/* metrics of a rollout, over all processes (subclasses add
-        their own from ``advantages``)."""
-        mask = rollout.response_mask
-        valid = rollout.valid_rows
-        kl_seq = rollout.kl.sum(1)
-        non_score = -self.kl_ctl.value * kl_seq
-        entropy_seq = -(rollout.logprobs * mask).sum(1)
-        eos = self.processing_class.eos_token_id
-        response = rollout.response
-        # EOS tokens inside each response (up to its length): the padding after it may be EOS as well
-        # (a tokenizer whose pad token is its EOS token).
-        inside = torch.arange(response.shape[1], device=response.device)[None, :] < rollout.lengths[:, None]
-        per_row = torch.stack(
-            [
-                kl_seq,
-                entropy_seq,
-                non_score,
-                rollout.scores + non_score,
-                rollout.scores,
-                rollout.raw_scores.nan_to_num(0.0),
-                rollout.lengths.float(),
-                ((response == eos) & inside).sum(1).float() if eos is not None else torch.zeros_like(kl_seq),
-                rollout.found_stop.float(),
-                valid.float(),
-            ],
-            dim=1,
-        ).float()
-        gathered = self._gather(per_row)
-        ok = self._gather(valid.float()).bool()
-
-        def mean(col: int, rows: torch.Tensor | None = None) -> float:
-            values = gathered[:, col]
-            rows = ok if rows is None else rows
-            return float(values[rows].mean()) if rows.any() else 0.0
-
-        every = torch.ones_like(ok)
-        metrics = {
-            "objective/kl": mean(0),
-            "objective/entropy": mean(1),
-            "objective/non_score_reward": mean(2),
-            "objective/rlhf_reward": mean(3),
-            "objective/scores": mean(4),
-            "objective/raw_scores": mean(5),
-            "val/response_length": mean(6, every),
-            "val/num_eos_tokens": float(gathered[:, 7].sum()),
-            "val/stop_token_rate": mean(8, every),
-            "rollout/invalid_rewards": float((~ok).sum()),
-            "rollout/reward_func_errors": float(self._gather(rollout.reward_func_errors.reshape(1)).sum()),
-        }
-        if self.args.dynamic_sampling:
-            # rounds (max over processes), groups dropped and groups that still had to fill the rollout
-            stats = self._gather(self._dynamic_sampling_stats.reshape(1, 3).float()).cpu()
-            metrics["rollout/dynamic_sampling_rounds"] = float(stats[:, 0].max())
-            metrics["rollout/dynamic_sampling_groups_dropped"] = float(stats[:, 1].sum())
-            metrics["rollout/dynamic_sampling_groups_short"] = float(stats[:, 2].sum())
-        if not self.args.uses_reference_model:
-            # No reference policy was run: there is no KL to report (it would read 0).
-            del metrics["objective/kl"], metrics["objective/non_score_reward"]
-        for name, scores in rollout.per_source.items():
-            values = self._gather(scores.float())
-            finite = torch.isfinite(values)
-            metrics[f"objective/scores/{name}"] = (
-                float(values[finite].mean()) if finite.any() else float("nan")
-            )
-        if self.args.use_vllm and rollout.generation_logprobs is not None and not self.vllm_logprobs_are_old:
-            mask = rollout.response_mask
-            weights = rollout.sampling_weights
-            if weights is None:
-                w = None
-            elif weights.shape == mask.shape:  # per token
-                w = weights[mask].float()
-            else:  # per sequence
-                w = weights[rollout.valid_rows].reshape(-1).float()
-            diff = (rollout.logprobs - rollout.generation_logprobs).float()[mask]
-            metrics.update(self._sampling_mismatch_metrics(diff, w))
-        return metrics
-
-    @property
-    def vllm_logprobs_are_old(self) -> bool:
-        """Whether the rollout's log-probs (the clipped ratio's denominator) are vLLM's own
-        (``rollout_logprobs='generation'`` with ``use_vllm``, verl's bypass mode): no policy forward pass in
-        the rollout, no separate importance weights, and the mismatch metrics measured on the update's
-        first mini-batch (:meth:`_optimize`), before its first optimizer step."""
-        return bool(self.args.use_vllm and self.logprobs_from_generation)
-
-    def _sampling_mismatch_metrics(
-        self, diff: torch.Tensor, weights: torch.Tensor | None
-    ) -> dict[str, float]:
-        """How far vLLM's sampling distribution is from the trained one, over valid response tokens of all
-        processes (TRL's ``sampling/*`` names): the mean and max of |logp_train - logp_vllm| (``diff``, one
-        value per token), a k3 estimate of KL(pi_vllm || pi_train) (the tokens were sampled from vLLM), the
-        importance ``weights`` (after the cap; per token or per sequence; None: not applied) and the
-        seconds of the last weight sync. A collective: every process calls it."""
-        k3 = (diff.exp() - 1) - diff
-        w = diff.new_zeros(0) if weights is None else weights
-        count = diff.new_tensor(float(diff.numel()))
-        sums = torch.stack([count, diff.abs().sum(), k3.sum(), w.sum(), w.new_tensor(float(w.numel()))])
-        sums = self._all_reduce(sums.double().to(self.accelerator.device)).cpu()
-        big = torch.finfo(torch.float32).max
-        extremes = torch.stack(
-            [
-                diff.abs().max() if diff.numel() else diff.new_tensor(0.0),
-                -w.min() if w.numel() else w.new_tensor(-big),
-                w.max() if w.numel() else w.new_tensor(-big),
-            ]
+        """Step 6: TRL's objective/* and val/* metrics of a rollout over all processes, the vLLM
+        sampling mismatch (where the trainer recomputed the log-probs), and the objective's own."""
+        metrics = rollout_metrics(
+            rollout,
+            self.collectives,
+            kl_coef=self.kl_ctl.value,
+            eos_token_id=self.processing_class.eos_token_id,
+            uses_reference_model=self.args.uses_reference_model,
         )
-        top = self._gather(extremes.reshape(1, 3).to(self.accelerator.device)).max(0).values.cpu()
-        n = float(sums[0])
-        metrics = {
-            "sampling/sampling_logp_difference/mean": float(sums[1]) / n if n else 0.0,
-            "sampling/sampling_logp_difference/max": float(top[0]),
-            "sampling/kl_vllm_train": float(sums[2]) / n if n else 0.0,
-            "timing/weight_sync": float(getattr(self.generation_backend, "last_sync_seconds", 0.0)),
-        }
-        if weights is not None and float(sums[4]) > 0:
-            metrics["sampling/importance_sampling_ratio/min"] = -float(top[1])
-            metrics["sampling/importance_sampling_ratio/max"] = float(top[2])
-            metrics["sampling/importance_sampling_ratio/mean"] = float(sums[3] / sums[4])
+        if self.args.use_vllm and rollout.generation_logprobs is not None and not self.vllm_logprobs_are_old:
+            metrics.update(rollout_sampling_metrics(rollout, self.collectives, self.weight_sync_seconds))
+        metrics.update(self.objective.metrics(rollout, advantages))
         return metrics
+
+    # ---- evaluation, saving and loading (Trainer's hooks) ------------------------------------------
+
+    def evaluate(
+        self,
+        eval_dataset: datasets.Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Generate on ``eval_dataset`` (default: the one given at construction) with the training
+        sampling settings, score with every reward source and log ``{prefix}_objective/scores`` (and per
+        source), the response length and the stop-token rate. The sampling RNG is seeded from ``seed``
+        and forked, so evaluation neither changes the training run nor varies between calls on the same
+        weights."""
+        return evaluation.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix)
+
+    def tokenized_prompts(self, dataset: datasets.Dataset, name: str = "eval") -> datasets.Dataset:
+        """``dataset`` of prompts tokenized as the training prompts are, ready for ``data_collator``."""
+        return evaluation.tokenized_prompts(self, dataset, name)
+
+    def batch_accounting(self) -> str:
+        """The sizes of one update, as printed before training."""
+        args = self.args
+        world = self.accelerator.num_processes
+        return (
+            f"{type(self).__name__}: {self.prompts_per_update} prompts x {self.completions_per_prompt} "
+            f"completion(s) = {self.batch_size} completions per update ({args.local_batch_size} per process x "
+            f"{world} processes) -> {args.num_ppo_epochs} epoch(s) x {args.num_mini_batches} mini-batch(es) of "
+            f"{args.local_mini_batch_size * world} -> {args.gradient_accumulation_steps} micro-batch(es) of "
+            f"{args.per_device_train_batch_size} per process -> "
+            f"{args.num_ppo_epochs * args.num_mini_batches} optimizer steps per update; {self.num_updates} "
+            f"updates, {self.total_episodes} episodes; generation: {self.generation_backend.name}."
+        )
+
+    def write_model(self, output_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the policy (``from_pretrained`` / PEFT adapter folder), the value model in
+        ``value_model/`` and the tokenizer into ``output_dir`` (:func:`.checkpoint.write_model`)."""
+        checkpoint.write_model(self, output_dir, state_dict)
+
+    def write_extra_checkpoint_state(self, folder: str) -> None:
+        """``onpolicy_state.json`` in a checkpoint (:func:`.checkpoint.write_extra_checkpoint_state`)."""
+        checkpoint.write_extra_checkpoint_state(self, folder)
+
+    def checkpoint_run_dir(self, trial: Any) -> str:
+        """Where ``Trainer`` writes a checkpoint: the staging folder of :class:`AtomicCheckpoints` while
+        one is being written, else the run's folder."""
+        return self._checkpoints.run_dir(super().checkpoint_run_dir(trial))
+
+    def write_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """``Trainer``'s checkpoint with :meth:`write_extra_checkpoint_state`, written atomically
+        (:class:`~rlhf_trainers.reliability.AtomicCheckpoints`)."""
+        self._checkpoints.write(
+            super().checkpoint_run_dir(trial),
+            lambda: super(OnPolicyTrainer, self).write_checkpoint(model, trial),
+            self.write_extra_checkpoint_state,
+        )
+
+    def load_weights_from_checkpoint(self, checkpoint_dir: str, model: nn.Module | None = None) -> None:
+        """Load the policy and value model saved by :meth:`write_model`."""
+        checkpoint.load_weights_from_checkpoint(self, checkpoint_dir, model)
 
     # ---- train -----------------------------------------------------------------------------------
 
@@ -1078,7 +646,7 @@ class OnPolicyTrainer(
         elif resume_from_checkpoint is False:
             resume_from_checkpoint = None
         if resume_from_checkpoint is not None:
-            self._check_resume_process_count(resume_from_checkpoint)
+            checkpoint.check_resume(self, resume_from_checkpoint)
         self.is_in_train = True
         self.interrupted = False
         apply_host_memory_settings(self)
@@ -1098,7 +666,7 @@ class OnPolicyTrainer(
         model, _ = compat.prepare_for_training(self, self.num_updates * steps, None, resume_from_checkpoint)
         if resume_from_checkpoint is not None:
             compat.load_rng_state(self, resume_from_checkpoint)
-            self._load_onpolicy_state(resume_from_checkpoint)
+            checkpoint.load_onpolicy_state(self, resume_from_checkpoint)
         else:
             # Per-process seeds: ranks sample different completions (seed + rank * 100003).
             torch.manual_seed(args.seed + self.accelerator.process_index * RANK_SEED_STRIDE)
@@ -1168,7 +736,7 @@ class OnPolicyTrainer(
         for name, value in metrics.items():
             self._log_buffer[name].append(value)
         if sample_every and update % sample_every == 0:
-            self._log_samples(self._last_rollout)
+            evaluation.log_samples(self, self._last_rollout)
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         if steps > 1:
             self._act_on_crossed_steps(self.state.global_step - steps, self.state.global_step)

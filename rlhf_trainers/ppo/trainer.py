@@ -1,7 +1,7 @@
 """PPOTrainer: what is PPO-only on top of the on-policy engine: the value model, GAE, the value loss.
 
 The whole algorithm per update (the engine runs the steps, see ``OnPolicyTrainer._update``; PPO supplies
-the value model, step 6 and the loss of step 7):
+the value model, and its objective (``ppo/objective.py``) the advantages, the loss and the critic metrics):
 
 1. rollout: responses, log-probs of policy and reference, values V(s_t), scores;
 2. per-token rewards ``r_t = -beta * KL_t`` plus the score at the last token (optionally whitened);
@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import functional as F
 from ..distributed import copy_model, full_state_dict, gathered, load_full_state_dict
 from ..models import _base, _is_peft_model, check_one_label, find_score_head, load_reward_model
-from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
 from .config import PPOConfig
+from .objective import PPOObjective
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -102,6 +101,7 @@ class PPOTrainer(OnPolicyTrainer):
     """
 
     _config_class = PPOConfig
+    objective_class = PPOObjective
     algorithm_name = "PPO"
     completions_per_prompt_name = "num_generations"
     args: PPOConfig
@@ -149,96 +149,3 @@ class PPOTrainer(OnPolicyTrainer):
             out.append({**group, "params": policy})
             out.append({**group, "params": value, "lr": lr})
         return [g for g in out if g["params"]]
-
-    def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
-        """GAE over the value model's estimates (``gamma``, ``lam``, ``lam_value``, length-adaptive lam);
-        the advantages whitened over all processes (``whiten_advantages``), the returns are the value
-        targets."""
-        args = self.args
-        mask = rollout.response_mask
-        advantages, returns = F.gae_advantages(
-            rewards,
-            rollout.values,
-            mask,
-            gamma=args.gamma,
-            lam=args.lam,
-            lam_value=args.lam_value,
-            length_adaptive_alpha=args.length_adaptive_alpha,
-        )
-        if args.whiten_advantages:
-            advantages = F.whiten(advantages, mask, shift_mean=True, all_reduce=self._all_reduce)
-        return Advantages(advantages=advantages.masked_fill(~mask, 0.0), returns=returns, rewards=rewards)
-
-    def compute_policy_loss(
-        self,
-        rollout: Rollout,
-        advantages: Advantages,
-        rows: torch.Tensor,
-        logprobs: torch.Tensor,
-        values: torch.Tensor | None,
-        normalization: LossNormalization | None = None,
-        entropy: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped policy loss (each token weighted by the rollout's vLLM importance weights, if any; the
-        KL loss term with ``kl_loss_coef``) plus ``vf_coef`` x clipped value loss, both reduced with
-        ``loss_agg_mode`` over the mini-batch; the value loss alone (the policy term with weight 0) during
-        ``critic_warmup_steps``."""
-        args = self.args
-        weights = rollout.sampling_weights[rows] if rollout.sampling_weights is not None else None
-        pg_loss, metrics, aggregation = self.token_policy_loss(
-            rollout, advantages.advantages[rows], rows, logprobs, normalization, weights, entropy
-        )
-        assert values is not None, "PPO's loss needs the value model's values"
-        mask = rollout.response_mask[rows]
-        vf_loss, vm = F.clipped_value_loss(
-            values, rollout.values[rows], advantages.returns[rows], mask, args.cliprange_value, **aggregation
-        )
-        warmup = self.state.global_step < args.critic_warmup_steps
-        # During warmup the policy term is kept in the graph with weight 0: its gradients are zeros, not
-        # missing, which DDP (find_unused_parameters=False) needs.
-        loss = args.vf_coef * vf_loss + (0.0 if warmup else 1.0) * pg_loss
-        metrics["loss/value_avg"] = vf_loss.detach()
-        metrics["val/clipfrac_avg"] = vm["vf_clipfrac"]
-        return loss, metrics
-
-    def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
-        """The engine's metrics plus NeMo RL's critic metrics over the valid tokens of all processes."""
-        metrics = super().rollout_metrics(rollout, advantages)
-        mask = rollout.response_mask
-        v = rollout.values[mask].double()
-        r = advantages.returns[mask].double()
-        a = advantages.advantages[mask].double()
-        d = r - v
-        sums = torch.stack(
-            [
-                v.new_tensor(float(v.numel())),
-                v.sum(),
-                r.sum(),
-                r.square().sum(),
-                d.sum(),
-                d.square().sum(),
-                a.sum(),
-            ]
-        )
-        sums = self._all_reduce(sums.to(self.accelerator.device)).cpu()
-        big = torch.finfo(torch.float64).max
-        extremes = torch.stack(
-            [v.min() if v.numel() else v.new_tensor(big), -(v.max() if v.numel() else v.new_tensor(-big))]
-        )
-        extremes = self._gather(extremes.reshape(1, 2).to(self.accelerator.device)).cpu().min(0).values
-        n = float(sums[0])
-        if n == 0:
-            return metrics
-        var_r = float(sums[3]) / n - (float(sums[2]) / n) ** 2
-        var_d = float(sums[5]) / n - (float(sums[4]) / n) ** 2
-        metrics.update(
-            {
-                "critic/values_mean": float(sums[1]) / n,
-                "critic/values_min": float(extremes[0]),
-                "critic/values_max": -float(extremes[1]),
-                "critic/returns_mean": float(sums[2]) / n,
-                "critic/explained_var": 1.0 - var_d / var_r if var_r > 0 else 0.0,
-                "critic/advantages_mean": float(sums[6]) / n,
-            }
-        )
-        return metrics

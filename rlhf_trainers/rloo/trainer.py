@@ -1,8 +1,8 @@
 """RLOOTrainer: what is RLOO-only on top of the on-policy engine: k completions per prompt and the
 leave-one-out baseline. No value model: three models (policy, reference, reward) instead of PPO's four.
 
-Per update (the engine runs the steps, see ``OnPolicyTrainer._update``; RLOO supplies step 6 and the loss
-of step 7):
+Per update (the engine runs the steps, see ``OnPolicyTrainer._update``; RLOO's objective,
+``rloo/objective.py``, supplies the advantages, the loss and its metrics):
 
 1. rollout of ``rloo_k`` completions per prompt (the k copies of the prompt batch concatenated, as the
    RLOO blog lays them out: completion j of prompt i at row ``j * B + i``);
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import functional as F
-from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
 from ..reward_sources import split_reward_funcs
 from .config import RLOOConfig
+from .objective import RLOOObjective
 
 if TYPE_CHECKING:
     import datasets
@@ -75,6 +75,7 @@ class RLOOTrainer(OnPolicyTrainer):
     """
 
     _config_class = RLOOConfig
+    objective_class = RLOOObjective
     algorithm_name = "RLOO"
     args: RLOOConfig
 
@@ -138,138 +139,6 @@ class RLOOTrainer(OnPolicyTrainer):
     @property
     def completions_per_prompt(self) -> int:  # type: ignore[override]
         return self.args.rloo_k
-
-    @property
-    def needs_generation_logprobs(self) -> bool:  # type: ignore[override]
-        return self.args.truncated_is_cap is not None or super().needs_generation_logprobs
-
-    def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
-        """Leave-one-out advantages over the k completions of each prompt: of the sequence reward
-        ``score - kl_coef * sum_t KL_t`` (default), or per token of the reward-to-go of ``rewards``
-        (``token_level_kl``); optionally whitened, with truncated importance weights against the
-        generation's log-probs (``truncated_is_cap``)."""
-        args = self.args
-        k = args.rloo_k
-        mask = rollout.response_mask
-        valid = rollout.valid_rows
-        if args.token_level_kl:
-            to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
-            rlhf_reward = to_go[:, 0]
-            baseline = rlhf_reward - F.rloo_advantages(rlhf_reward, k, valid=valid)
-            advantages = torch.where(mask, to_go - baseline[:, None], torch.zeros_like(to_go))
-        else:
-            rlhf_reward = rollout.scores - self.kl_ctl.value * rollout.kl.sum(1)
-            advantages = F.rloo_advantages(rlhf_reward, k, valid=valid)[:, None]
-        if args.normalize_advantage:
-            advantage_mask = mask if args.token_level_kl else valid[:, None]
-            advantages = F.whiten(advantages, advantage_mask, shift_mean=True, all_reduce=self._all_reduce)
-        weights = None
-        if args.truncated_is_cap is not None:
-            # training-pass log-probs / generation log-probs, capped: per sequence for the sequence-level
-            # loss (the ratio the blog prints), per token for the token-level one.
-            difference = (rollout.logprobs - rollout.generation_logprobs) * mask
-            if not args.token_level_kl:
-                difference = difference.sum(1, keepdim=True)
-            weights = difference.exp().clamp(max=args.truncated_is_cap)
-        elif rollout.sampling_weights is not None:
-            # vLLM's sampling distribution vs the trained one (vllm_importance_sampling_*): the sequence
-            # ratio for the sequence-level loss, else the rollout's weights (per token, or per sequence).
-            weights = rollout.sampling_weights
-            if not args.token_level_kl and weights.shape[1] != 1:
-                constraint = args.vllm_importance_sampling_mode.split("_", 1)[1]
-                weights = F.truncated_importance_weights(
-                    rollout.logprobs,
-                    rollout.generation_logprobs,
-                    mask,
-                    args.vllm_importance_sampling_cap,
-                    f"sequence_{constraint}",
-                )
-            elif args.token_level_kl and weights.shape[1] == 1:
-                weights = weights.expand_as(mask).masked_fill(~mask, 0.0)
-        return Advantages(advantages=advantages, rlhf_reward=rlhf_reward, importance_weights=weights)
-
-    def compute_policy_loss(
-        self,
-        rollout: Rollout,
-        advantages: Advantages,
-        rows: torch.Tensor,
-        logprobs: torch.Tensor,
-        values: torch.Tensor | None,
-        normalization: LossNormalization | None = None,
-        entropy: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO's clipped objective on the sequence log-prob (default; REINFORCE at ratio 1, the mean over
-        the mini-batch's sequences), or per token (``token_level_kl``, reduced with ``loss_agg_mode``),
-        weighted by the truncated importance weights when there are any; plus the KL loss term with
-        ``kl_loss_coef`` (per token, reduced like the loss)."""
-        args = self.args
-        weights = advantages.importance_weights[rows] if advantages.importance_weights is not None else None
-        if args.token_level_kl:
-            loss, metrics, _ = self.token_policy_loss(
-                rollout, advantages.advantages[rows], rows, logprobs, normalization, weights, entropy
-            )
-            return loss, metrics
-        mask = rollout.response_mask[rows]
-        old = rollout.logprobs[rows]
-        sequences = normalization.sequences if normalization is not None else mask.any(1).sum().float()
-        kl_loss = self.kl_loss(rollout, rows, logprobs)
-        extra = self.extra_token_loss(kl_loss, entropy)
-        # The whole completion is one action: its log-prob is the sum over its tokens, and the KL term
-        # the sequence's summed per-token estimate; the mean over the mini-batch's sequences.
-        loss, pm = F.clipped_policy_loss(
-            (logprobs * mask).sum(1, keepdim=True),
-            (old * mask).sum(1, keepdim=True),
-            advantages.advantages[rows],
-            mask.any(1, keepdim=True),
-            clip_low=args.cliprange,
-            clip_high=args.cliprange_high,
-            dual_clip=args.dual_clip,
-            importance_weights=weights,
-            extra_loss=None if extra is None else (extra * mask).sum(1, keepdim=True),
-            loss_agg_mode="token-mean",
-            denominator=sequences,
-        )
-        metrics = self.policy_loss_metrics(loss, pm, kl_loss, mask)
-        return loss, metrics
-
-    def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
-        """The engine's metrics plus the RLOO ones: ``objective/rlhf_reward`` (the reward the baseline is
-        computed from), ``objective/reward_std_per_prompt`` (std of that reward over the k completions of a
-        prompt: 0 means no learning signal), ``rollout/num_completions_kept`` and, with truncated importance
-        sampling, ``policy/is_weight_mean`` and ``policy/gen_ratio_max`` (the generation-vs-training
-        ratio before capping)."""
-        metrics = super().rollout_metrics(rollout, advantages)
-        k = self.args.rloo_k
-        valid = rollout.valid_rows
-        rlhf = advantages.rlhf_reward.float()
-        per_prompt = rlhf.reshape(k, -1)
-        ok = valid.reshape(k, -1).all(0)
-        std = per_prompt.std(0, unbiased=False)[ok]
-        sums = torch.stack(
-            [
-                (rlhf * valid).sum(),
-                valid.float().sum(),
-                std.sum(),
-                torch.tensor(float(std.numel()), device=rlhf.device),
-            ]
-        ).double()
-        sums = self._all_reduce(sums.to(self.accelerator.device)).cpu()
-        metrics["objective/rlhf_reward"] = float(sums[0] / sums[1].clamp_min(1))
-        metrics["objective/reward_std_per_prompt"] = float(sums[2] / sums[3].clamp_min(1))
-        metrics["rollout/num_completions_kept"] = float(sums[1])
-        if advantages.importance_weights is not None:
-            mask = rollout.response_mask
-            ratios = ((rollout.logprobs - rollout.generation_logprobs) * mask).sum(1).exp()[valid]
-            stats = torch.stack(
-                [
-                    advantages.importance_weights.float().mean(),
-                    ratios.max() if ratios.numel() else ratios.new_zeros(()),
-                ]
-            )
-            gathered = self._gather(stats.reshape(1, 2)).cpu()
-            metrics["policy/is_weight_mean"] = float(gathered[:, 0].mean())
-            metrics["policy/gen_ratio_max"] = float(gathered[:, 1].max())
-        return metrics
 
 
 def _alias(name: str, value: Any, alias: str, alias_value: Any) -> Any:

@@ -1,9 +1,7 @@
-"""Generation for the on-policy engine: the policy's responses from the :attr:`generation_backend`
-(:mod:`rlhf_trainers.generation`, chosen once at construction), and the ZeRO-3 context it runs in.
-
-:class:`OnPolicyGenerationMixin` holds the methods; :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer`
-inherits them and calls ``self._generate(query, query_mask, with_logprobs)``.
-"""
+"""Generation for the on-policy engine: :class:`PolicySampler` draws the policy's responses from the
+generation backend (:mod:`rlhf_trainers.generation`, chosen once at construction) in the context it needs
+(ZeRO-3), shares a failure on one process with all of them, and saves the last complete update when
+generation fails."""
 
 from __future__ import annotations
 
@@ -17,69 +15,77 @@ from ..distributed import generation_context
 from ..generation import GenerationError, SamplingSettings, check_samples, make_generation_backend
 
 
-class OnPolicyGenerationMixin:
-    """The engine's generation methods (mixed into :class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer`,
-    whose ``args``, ``policy``, ``processing_class``, ``_stop_ids`` and accelerator they use)."""
+class PolicySampler:
+    """Samples responses of the trainer ``engine``'s policy (its ``args``, ``policy``, tokenizer,
+    accelerator and ``state``), with the stop tokens ``stop_ids``.
 
-    def _build_generation_backend(self) -> None:
-        """Choose the generation backend once (named in :meth:`batch_accounting`)."""
-        #: The generation backend (rlhf_trainers.generation), chosen once; named in batch_accounting().
-        self.generation_backend = make_generation_backend(
-            self.policy,
-            self.args,
-            device=self.accelerator.device,
-            deepspeed=self.is_deepspeed_enabled,
+    Attributes:
+        backend: the generation backend (:mod:`rlhf_trainers.generation`), chosen once; named in
+            ``batch_accounting()``.
+    """
+
+    def __init__(self, engine: Any, stop_ids: list[int]) -> None:
+        self.engine = engine
+        self.stop_ids = stop_ids
+        self._logprobs_from_generation: bool | None = None
+        self.backend = make_generation_backend(
+            engine.policy,
+            engine.args,
+            device=engine.accelerator.device,
+            deepspeed=engine.is_deepspeed_enabled,
             synced_ranks=self._synced_generation(),
             context=self._generation_context,
-            weights_version=self._policy_weights_version,
-            process_index=self.accelerator.process_index,
-            longest_sequence=self._longest_prompt() + self.args.response_length,
+            weights_version=self.policy_weights_version,
+            process_index=engine.accelerator.process_index,
+            longest_sequence=self._longest_prompt() + engine.args.response_length,
         )
 
     def _longest_prompt(self) -> int:
         """Tokens of the longest tokenized prompt (train and eval datasets, after truncation)."""
-        stats = getattr(self, "preprocessing_stats", {}).values()
+        stats = getattr(self.engine, "preprocessing_stats", {}).values()
         return max((min(s.longest, s.max_prompt_length or s.longest) for s in stats), default=0)
 
-    def _policy_weights_version(self) -> tuple[int, int]:
+    def policy_weights_version(self) -> tuple[int, int]:
         """Changes whenever the policy's weights may have changed (a vLLM engine re-syncs then): the update
         count, and the sum of the parameters' in-place-modification counters (an optimizer step, a loaded
         checkpoint)."""
-        return (int(self.state.global_step), sum(p._version for p in self.policy.parameters()))
+        return (int(self.engine.state.global_step), sum(p._version for p in self.engine.policy.parameters()))
 
     def _generation_context(self) -> contextlib.AbstractContextManager[Any]:
         """What generation needs around it under ZeRO-3 (:func:`rlhf_trainers.distributed.generation_context`:
         the policy's weights gathered with ``ds3_gather_for_generation`` or before training, the training
         engine's hooks set aside meanwhile); nothing otherwise."""
         return generation_context(
-            self.policy, self.model_wrapped, gather_weights=self.args.ds3_gather_for_generation
+            self.engine.policy,
+            self.engine.model_wrapped,
+            gather_weights=self.engine.args.ds3_gather_for_generation,
         )
 
     def _synced_generation(self) -> bool:
         """Multi-process ZeRO-3 without gathering the weights: ranks must step generation together."""
         return bool(
-            self.is_deepspeed_enabled
-            and not self.args.ds3_gather_for_generation
-            and self.accelerator.num_processes > 1
+            self.engine.is_deepspeed_enabled
+            and not self.engine.args.ds3_gather_for_generation
+            and self.engine.accelerator.num_processes > 1
         )
 
     @property
     def logprobs_from_generation(self) -> bool:
         """Whether the rollout takes its log-probs and entropy from the sampling loop
         (``rollout_logprobs``, with 'auto' resolved against the policy's dtype and the precision)."""
-        cached = getattr(self, "_logprobs_from_generation", None)
+        cached = self._logprobs_from_generation
         if cached is None:
-            args = self.args
+            args = self.engine.args
             if args.rollout_logprobs == "auto":
                 float32 = all(
-                    p.dtype == torch.float32 for p in self.policy.parameters() if p.is_floating_point()
+                    p.dtype == torch.float32 for p in self.engine.policy.parameters() if p.is_floating_point()
                 )
                 cached = bool(
                     float32
                     and not (args.bf16 or args.fp16)
                     and args.disable_dropout
-                    and self.generation_backend.logprobs_for_rollout
-                    and not self.needs_generation_logprobs
+                    and self.backend.logprobs_for_rollout
+                    and not self.engine.needs_generation_logprobs
                 )
             else:
                 cached = args.rollout_logprobs == "generation"
@@ -87,7 +93,7 @@ class OnPolicyGenerationMixin:
         return cached
 
     @torch.no_grad()
-    def _generate(
+    def generate(
         self, query: torch.Tensor, query_mask: torch.Tensor, with_logprobs: bool = False
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """Sample (B, response_length) response ids from ``softmax(logits / temperature)`` with the
@@ -97,24 +103,24 @@ class OnPolicyGenerationMixin:
         With ``with_logprobs`` also ``{"logprobs", "entropy"}`` (B, response_length) float32: the sampled
         tokens' log-probabilities and the entropy of each step's distribution, as the generation computed
         them (its own logits / temperature, in the generation's precision; 0 after a stop token)."""
-        args = self.args
-        stop_in_generation = self._stop_ids and args.truncate_after == 0
+        args = self.engine.args
+        stop_in_generation = self.stop_ids and args.truncate_after == 0
         settings = SamplingSettings(
             max_new_tokens=args.response_length,
-            pad_token_id=self.processing_class.pad_token_id,
+            pad_token_id=self.engine.processing_class.pad_token_id,
             temperature=args.temperature,
-            stop_token_ids=tuple(self._stop_ids) if stop_in_generation else (),
+            stop_token_ids=tuple(self.stop_ids) if stop_in_generation else (),
             return_logprobs=with_logprobs,
             top_k=args.top_k,
             top_p=args.top_p,
             min_p=args.min_p,
         )
-        processes = self.accelerator.num_processes
+        processes = self.engine.accelerator.num_processes
         failure: Exception | None = None
         try:
-            compiled = getattr(self, "_compiled", None)
+            compiled = getattr(self.engine, "_compiled", None)
             with compiled.paused() if compiled is not None else contextlib.nullcontext():
-                samples = self.generation_backend.sample(query, query_mask, settings)
+                samples = self.backend.sample(query, query_mask, settings)
             check_samples(samples, query.shape[0], settings)
         except GenerationError as err:
             failure = err
@@ -144,9 +150,9 @@ class OnPolicyGenerationMixin:
 
     def _processes_that_failed(self, failed_here: bool) -> list[int]:
         """The indices of the processes whose generation failed (one all-reduce over all of them)."""
-        flags = torch.zeros(self.accelerator.num_processes, device=self.accelerator.device)
-        flags[self.accelerator.process_index] = float(failed_here)
-        flags = self.accelerator.reduce(flags, reduction="sum")
+        flags = torch.zeros(self.engine.accelerator.num_processes, device=self.engine.accelerator.device)
+        flags[self.engine.accelerator.process_index] = float(failed_here)
+        flags = self.engine.accelerator.reduce(flags, reduction="sum")
         return [int(i) for i in flags.nonzero().flatten().tolist()]
 
     def _generation_failed(self, err: GenerationError) -> GenerationError:
@@ -154,16 +160,16 @@ class OnPolicyGenerationMixin:
         ``save_on_interrupt`` (the default), once at least one update completed, a checkpoint of the last
         complete update (the weights the failed generation started from), so
         ``train(resume_from_checkpoint=True)`` continues from there. Under several processes every process
-        gets here together (:meth:`_generate` shares the failure), so they write the checkpoint together."""
-        args = self.args
-        step = self.state.global_step
+        gets here together (:meth:`generate` shares the failure), so they write the checkpoint together."""
+        args = self.engine.args
+        step = self.engine.state.global_step
         if not args.save_on_interrupt:
             saved = "No checkpoint was written (save_on_interrupt=False)."
         elif step == 0:
             saved = "No update had completed: there is nothing to save."
         else:
-            model = getattr(self, "model_wrapped", None) or self.model
-            compat.save_checkpoint(self, model)
+            model = getattr(self.engine, "model_wrapped", None) or self.engine.model
+            compat.save_checkpoint(self.engine, model)
             saved = (
                 f"The last complete update (step {step}) was saved to {args.output_dir}/checkpoint-{step}; "
                 "train(resume_from_checkpoint=True) continues from it."
