@@ -152,8 +152,8 @@ def _child(args: argparse.Namespace) -> None:
     pad = tokenizer.pad_token_id
     phases: dict[str, list[dict[str, float]]] = {"rollout_passes": [], "update": []}
     tokens: list[int] = []
-    sample = trainer.sample_responses
-    rollout_logprobs = trainer.rollout_logprobs
+    sample = trainer.producer.sample
+    rollout_logprobs = trainer.passes.logprobs
     optimize = trainer._optimize
 
     def cut_samples(*a, **kw):
@@ -175,8 +175,8 @@ def _child(args: argparse.Namespace) -> None:
 
         return run
 
-    trainer.sample_responses = cut_samples
-    trainer.rollout_logprobs = measured("rollout_passes", rollout_logprobs)
+    trainer.producer.sample = cut_samples
+    trainer.passes.logprobs = measured("rollout_passes", rollout_logprobs)
     trainer._optimize = measured("update", optimize)
     trainer.train()
     mib = 2**20
@@ -185,9 +185,9 @@ def _child(args: argparse.Namespace) -> None:
         "algorithm": args.algorithm,
         "mode": args.mode,
         "packed_models": {
-            "policy": trainer._pack_policy,
-            "reference": trainer._pack_ref,
-            "values": trainer._pack_values,
+            "policy": trainer.passes.pack_policy,
+            "reference": trainer.passes.pack_ref,
+            "values": trainer.passes.pack_values,
         },
         "batch_accounting": trainer.batch_accounting(),
         "real_tokens_per_update": tokens,
@@ -234,7 +234,7 @@ def interleaved_rounds(
     # the training precision, as the update runs every pass (bf16/fp16 autocast; a no-op in fp32)
     autocast = trainer.accelerator.autocast
     model = trainer.model
-    flags = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
+    flags = (trainer.passes.pack_policy, trainer.passes.pack_ref, trainer.passes.pack_values)
     rounds: list[dict[str, float]] = []
     differences: dict[str, float] = {}
     for round_ in range(updates):
@@ -242,7 +242,9 @@ def interleaved_rounds(
         sync()
         began = time.perf_counter()
         with torch.no_grad(), autocast():
-            samples = trainer.sample_responses(trainer._prompt_batch(round_), trainer.completions_per_prompt)
+            samples = trainer.producer.sample(
+                trainer.producer.prompt_batch(round_), trainer.completions_per_prompt
+            )
         sync()
         sampling = time.perf_counter() - began
         samples = _cut(samples, generator, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -253,13 +255,15 @@ def interleaved_rounds(
         outputs = {}
         for mode in modes:
             on = mode == "padding_free"
-            trainer._pack_policy, trainer._pack_ref, trainer._pack_values = (f and on for f in flags)
+            trainer.passes.pack_policy, trainer.passes.pack_ref, trainer.passes.pack_values = (
+                f and on for f in flags
+            )
             if memory:
                 memory[0]()
             sync()
             began = time.perf_counter()
             with torch.no_grad(), autocast():
-                passes = trainer.rollout_logprobs(samples)
+                passes = trainer.passes.logprobs(samples)
             sync()
             record[f"{mode}/rollout_passes"] = time.perf_counter() - began
             if memory:
@@ -267,7 +271,7 @@ def interleaved_rounds(
             outputs[mode] = passes
             if rollout is None:
                 with torch.no_grad(), autocast():
-                    rollout = trainer.assemble_rollout(samples, trainer.score_samples(samples), passes)
+                    rollout = trainer.producer.assemble(samples, trainer.producer.score(samples), passes)
                 advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
             if memory:
                 memory[0]()
@@ -275,7 +279,7 @@ def interleaved_rounds(
             began = time.perf_counter()
             for rows in torch.arange(rollout.response.shape[0]).split(micro_batch):
                 with autocast():
-                    logprobs, values, entropy = trainer._training_forward(model, rollout, rows)
+                    logprobs, values, entropy = trainer.loop.training_forward(model, rollout, rows)
                     bonus = entropy if trainer.args.entropy_coeff else None
                     loss, _ = trainer.compute_policy_loss(
                         rollout, advantages, rows, logprobs, values, entropy=bonus
@@ -293,7 +297,7 @@ def interleaved_rounds(
                 if a is not None:
                     differences[name] = float((a - b).abs()[mask].max())
         rounds.append(record)
-    trainer._pack_policy, trainer._pack_ref, trainer._pack_values = flags
+    trainer.passes.pack_policy, trainer.passes.pack_ref, trainer.passes.pack_values = flags
     steady = rounds[1:] or rounds
     result = {"rounds": rounds, "packed_models": list(flags), "max_abs_difference_round_0": differences}
     for phase in ("rollout_passes", "train_passes"):

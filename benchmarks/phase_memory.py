@@ -35,19 +35,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: The profiler's name of a phase's time window (``--live-bytes``).
 PHASE_PREFIX = "phase_memory::"
-#: The steps of ``OnPolicyTrainer._update`` (or of the rollout helpers it calls) that are measured.
-PHASES = (
-    "sample_responses",
-    "score_samples",
-    "rollout_logprobs",
-    "assemble_rollout",
-    "token_rewards",
-    "rollout_values",
-    "_first_training_forward",
-    "compute_advantages",
-    "_optimize",
-    "rollout_metrics",
-)
+#: The steps of ``OnPolicyTrainer._update`` (or of the engine's parts it calls) that are measured, by the
+#: class that holds each: the rollout producer, the models' passes, the optimization loop, the trainer.
+PHASES = {
+    "SingleTurnProducer": ("sample", "score", "assemble"),
+    "ModelPasses": ("logprobs", "values"),
+    "OptimizationLoop": ("fill_values", "run"),
+    "OnPolicyTrainer": ("token_rewards", "compute_advantages", "rollout_metrics"),
+}
 
 
 def _status_mib(key: str) -> float:
@@ -68,7 +63,7 @@ def child(spec_path: str, out_path: str) -> None:
     sys.path.insert(0, str(HERE))
     import vs_trl_worker
 
-    from rlhf_trainers.onpolicy import rollout as rollout_module
+    from rlhf_trainers.onpolicy import optimize, passes, producer
     from rlhf_trainers.onpolicy import trainer as trainer_module
 
     log: list[dict[str, Any]] = []
@@ -113,10 +108,15 @@ def child(spec_path: str, out_path: str) -> None:
         return out
 
     trainer_module.OnPolicyTrainer._update = update
-    for owner in (trainer_module.OnPolicyTrainer, rollout_module.RolloutSteps):
-        for name in PHASES:
-            if name in owner.__dict__:
-                wrap(owner, name)
+    owners = (
+        producer.SingleTurnProducer,
+        passes.ModelPasses,
+        optimize.OptimizationLoop,
+        trainer_module.OnPolicyTrainer,
+    )
+    for owner in owners:
+        for name in PHASES[owner.__name__]:
+            wrap(owner, name)
     result = vs_trl_worker.run(spec)
     out = {"log": log, "seconds_per_update_median": result.get("seconds_per_update_median")}
     if profiled_update is not None:
@@ -279,7 +279,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"phase_memory{args.tag}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
-    phases = [p for p in PHASES if any(p in r["per_phase_peak_after_first_update"] for r in runs)]
+    names = [name for owned in PHASES.values() for name in owned]
+    phases = [p for p in names if any(p in r["per_phase_peak_after_first_update"] for r in runs)]
     print("| config | " + " | ".join(phases) + " | update peaks |")
     print("|---|" + "---:|" * (len(phases) + 1))
     for r in runs:

@@ -226,7 +226,7 @@ def _saved_vocab_activations(trainer, vocab: int) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logprobs, _, _ = trainer._training_forward(trainer.model, rollout, idx)
+        logprobs, _, _ = trainer.loop.training_forward(trainer.model, rollout, idx)
     logprobs.sum().backward()
     return sum(sizes)
 
@@ -235,8 +235,8 @@ def test_the_trainer_uses_it_for_the_kit_model_and_keeps_no_logits_for_backward(
     fused = _trainer(kit, tmp_path / "fused", response_length=8, fused_lm_head_kept_logits_mib=0)
     plain = _trainer(kit, tmp_path / "plain", response_length=8, fused_lm_head=False)
     kept = _trainer(kit, tmp_path / "kept", response_length=8)  # the default budget: 256 MiB
-    assert fused._fused_policy and fused._fused_ref
-    assert not plain._fused_policy and not plain._fused_ref
+    assert fused.passes.fused_policy and fused.passes.fused_ref
+    assert not plain.passes.fused_policy and not plain.passes.fused_ref
     vocab = fused.policy.get_output_embeddings().weight.shape[0]
     logits_elems = 4 * 8 * vocab
     # The logits path saves the (4, 8, V) logits for its backward pass (and more: the log-softmax's
@@ -280,7 +280,7 @@ def test_models_whose_logits_are_not_the_plain_lm_head_keep_the_logits_path(kit,
     model.forward = scaled
     assert not fused_head_matches(model)
     trainer = _trainer(kit, tmp_path, model=model)
-    assert not trainer._fused_policy
+    assert not trainer.passes.fused_policy
 
 
 def test_the_probe_leaves_every_submodule_in_its_own_mode(kit):
@@ -293,7 +293,7 @@ def test_the_probe_leaves_every_submodule_in_its_own_mode(kit):
 
 def test_a_hook_on_the_lm_head_turns_the_fused_path_off_so_the_hook_runs(kit, tmp_path):
     trainer = _trainer(kit, tmp_path)
-    assert trainer._fused_policy
+    assert trainer.passes.fused_policy
     with_grad = []
     head = trainer.policy.get_output_embeddings()
     head.register_forward_hook(lambda m, i, o: with_grad.append(torch.is_grad_enabled()))

@@ -209,7 +209,7 @@ def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path, monk
 def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeypatch, loop):
     from test_rloo import _trainer
 
-    import rlhf_trainers.onpolicy.generation_mixin as engine
+    import rlhf_trainers.onpolicy.sampling as engine
     from rlhf_trainers import cpu_speedups
 
     built = []

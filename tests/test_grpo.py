@@ -163,7 +163,7 @@ def _reference_loss(loss_type, logprobs, old, adv, mask, eps_low, eps_high, beta
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_loss_types_match_trls_formulas(kit, tmp_path, loss_type, beta):
     trainer = _trainer(kit, tmp_path, loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28)
-    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
     N, R = rollout.response.shape
     rows = torch.arange(N)
@@ -191,7 +191,7 @@ def test_loss_types_match_trls_formulas(kit, tmp_path, loss_type, beta):
 def test_sequence_level_importance_sampling_is_gspo(kit, tmp_path):
     """GSPO: every token of a completion gets the ratio exp(mean over its tokens of the log-ratio)."""
     trainer = _trainer(kit, tmp_path, importance_sampling_level="sequence", loss_type="grpo", epsilon=0.2)
-    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
     N, R = rollout.response.shape
     torch.manual_seed(2)
@@ -221,7 +221,7 @@ def _gradients(trainer, rollout, advantages, parts: int, normalization: LossNorm
     wrapper = trainer.model
     wrapper.zero_grad()
     for rows in torch.arange(rollout.response.shape[0]).chunk(parts):
-        logprobs, values, _ = trainer._training_forward(wrapper, rollout, rows)
+        logprobs, values, _ = trainer.loop.training_forward(wrapper, rollout, rows)
         loss, _ = trainer.compute_policy_loss(rollout, advantages, rows, logprobs, values, normalization)
         loss.backward()
     return torch.cat([p.grad.reshape(-1) for p in wrapper.parameters() if p.grad is not None]).clone()
@@ -230,7 +230,7 @@ def _gradients(trainer, rollout, advantages, parts: int, normalization: LossNorm
 @pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
 def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_split(kit, tmp_path, loss_type):
     trainer = _trainer(kit, tmp_path, per_device_train_batch_size=16, loss_type=loss_type, beta=0.04)
-    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
     assert rollout.response_mask.sum(1).unique().numel() > 1, "responses of different lengths make the test"
     torch.manual_seed(3)
@@ -240,7 +240,7 @@ def test_every_loss_type_gives_the_same_gradient_however_the_batch_is_split(kit,
     four = _gradients(trainer, rollout, advantages, 4, whole)
     torch.testing.assert_close(four, one, rtol=1e-4, atol=1e-7)
     # the engine's own counts for an optimizer step over the whole rollout are those of the rollout
-    (normalization,) = trainer._loss_normalizations(rollout, [torch.randperm(16)])[0]
+    (normalization,) = trainer.loop.loss_normalizations(rollout, [torch.randperm(16)])[0]
     assert normalization.tokens.item() == whole.tokens.item()
     assert normalization.sequences.item() == whole.sequences.item()
 
@@ -313,7 +313,7 @@ def test_beta_zero_builds_and_runs_no_reference_model(kit, tmp_path, monkeypatch
     def never(*args, **kwargs):
         raise AssertionError("the reference model ran with beta=0")
 
-    monkeypatch.setattr(trainer, "_reference_logprobs", never)
+    monkeypatch.setattr(trainer.passes, "reference_logprobs", never)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert logged and "objective/kl" not in logged[0]
@@ -546,7 +546,7 @@ def test_reward_funcs_may_mix_a_reward_model_and_functions(kit, tmp_path, reward
 
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, mask_truncated_completions=True, max_completion_length=4)
-    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     truncated = ~rollout.found_stop
     assert truncated.any() and (~truncated).any()
     assert not rollout.response_mask[truncated].any()
@@ -598,7 +598,7 @@ def test_reinforce_plus_plus_baseline_by_hand():
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_other_advantage_estimators(kit, tmp_path, estimator):
     trainer = _trainer(kit, tmp_path, advantage_estimator=estimator, kl_coef=0.05)
-    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     rewards = trainer.token_rewards(rollout)
     got = trainer.compute_advantages(rollout, rewards).advantages
     if estimator == "rloo":
@@ -626,17 +626,19 @@ def _half_constant_reward(prompts, completions, **kwargs):
 def test_dynamic_sampling_replaces_groups_without_signal(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, reward_funcs=_half_constant_reward, dynamic_sampling=True)
     k, B = 4, trainer.local_prompts
-    batch = trainer._prompt_batch(0)
-    samples = trainer.sample_responses(batch, k)
-    scores = trainer.score_samples(samples)
-    assert not trainer._group_signal(samples, scores, k).all(), "the test needs groups without signal"
-    kept, kept_scores = trainer.dynamic_sampling(batch, samples, scores, update=0)
+    batch = trainer.producer.prompt_batch(0)
+    samples = trainer.producer.sample(batch, k)
+    scores = trainer.producer.score(samples)
+    assert not trainer.producer._group_signal(samples, scores, k).all(), (
+        "the test needs groups without signal"
+    )
+    kept, kept_scores = trainer.producer.dynamic_sampling(batch, samples, scores, update=0)
     assert kept.response.shape[0] == k * B and len(kept.prompts) == k * B
-    assert trainer._group_signal(kept, kept_scores, k).all()
+    assert trainer.producer._group_signal(kept, kept_scores, k).all()
     for g in range(B):  # a group's rows are completions of one prompt
         assert len({kept.prompts[j * B + g] for j in range(k)}) == 1
     # reproducible: the same update draws the same extra prompts
-    again, _ = trainer.dynamic_sampling(batch, samples, scores, update=0)
+    again, _ = trainer.producer.dynamic_sampling(batch, samples, scores, update=0)
     assert again.prompts == kept.prompts
     trainer.train()
     logged = [h for h in trainer.state.log_history if "rollout/dynamic_sampling_rounds" in h]
@@ -691,10 +693,10 @@ def test_top_k_top_p_min_p_sample_but_train_the_full_distribution(kit, tmp_path)
 
 def test_entropy_bonus_is_subtracted_per_token_and_reduced_like_the_loss(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, entropy_coeff=0.01, loss_type="dapo")
-    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
     rows = torch.arange(rollout.response.shape[0])
-    logprobs, _, entropy = trainer._training_forward(trainer.model, rollout, rows)
+    logprobs, _, entropy = trainer.loop.training_forward(trainer.model, rollout, rows)
     assert entropy.requires_grad
     plain, _ = trainer.compute_policy_loss(rollout, advantages, rows, logprobs, None)
     bonus, _ = trainer.compute_policy_loss(rollout, advantages, rows, logprobs, None, entropy=entropy)
@@ -739,14 +741,14 @@ def test_token_budget_micro_batches_give_the_update_of_fixed_ones(kit, tmp_path,
         kit, tmp_path / "budget", gradient_accumulation_steps=4, max_tokens_per_microbatch=100, **common
     )
     seen: list[tuple[int, int]] = []
-    forward = budget._training_forward
+    forward = budget.loop.training_forward
 
     def recording(model, rollout, rows, bounds=None):
         first, end = bounds
         seen.append((len(rows), (rollout.query.shape[1] - first) + end))
         return forward(model, rollout, rows, bounds)
 
-    monkeypatch.setattr(budget, "_training_forward", recording)
+    monkeypatch.setattr(budget.loop, "training_forward", recording)
     fixed.train()
     budget.train()
     assert all(n * width <= 100 or n == 1 for n, width in seen), seen

@@ -236,9 +236,9 @@ def test_onpolicy_run_with_a_pad_id_past_the_table_matches_an_in_vocabulary_pad(
     rollouts, digests, logs, evals = {}, {}, {}, {}
     for outside in (False, True):
         trainer = _onpolicy(kit, tmp_path, algorithm, outside, **overrides)
-        assert trainer._input_pad_id == KIT_PAD if not outside else trainer._input_pad_id == 0
+        assert trainer.passes.input_pad_id == KIT_PAD if not outside else trainer.passes.input_pad_id == 0
         torch.manual_seed(0)
-        rollouts[outside] = trainer.rollout(trainer._prompt_batch(0))
+        rollouts[outside] = trainer.rollout(trainer.producer.prompt_batch(0))
         trainer = _onpolicy(kit, tmp_path, algorithm, outside, **overrides)
         trainer.train()
         # The policy's and reward model's configs keep their own in-vocabulary pad id.

@@ -56,12 +56,12 @@ def _with_short_responses(trainer, samples):
 @contextlib.contextmanager
 def _padded(trainer):
     """The trainer's passes padded within the block, whatever it resolved."""
-    flags = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
-    trainer._pack_policy = trainer._pack_ref = trainer._pack_values = False
+    flags = (trainer.passes.pack_policy, trainer.passes.pack_ref, trainer.passes.pack_values)
+    trainer.passes.pack_policy = trainer.passes.pack_ref = trainer.passes.pack_values = False
     try:
         yield
     finally:
-        trainer._pack_policy, trainer._pack_ref, trainer._pack_values = flags
+        trainer.passes.pack_policy, trainer.passes.pack_ref, trainer.passes.pack_values = flags
 
 
 QUERY_LENGTHS, RESPONSE_LENGTHS = [5, 2, 1, 3], [4, 1, 0, 2]  # row 2: no valid response token
@@ -356,11 +356,11 @@ def _count_segment_attention(monkeypatch) -> list[int]:
 )
 def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, layout, monkeypatch):
     trainer = _ppo(kit, tmp_path, arch, lora, fused_lm_head=fused)
-    assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
-    assert trainer._pack_one_row  # every kit model takes the one-row layout
-    trainer._pack_one_row = layout == "one_row"
+    assert trainer.passes.pack_policy and trainer.passes.pack_ref and trainer.passes.pack_values
+    assert trainer.passes.pack_one_row  # every kit model takes the one-row layout
+    trainer.passes.pack_one_row = layout == "one_row"
     segment_calls = _count_segment_attention(monkeypatch)
-    assert trainer._fused_policy == fused
+    assert trainer.passes.fused_policy == fused
     if not fused:  # the packed logits path computes the predicting positions' logits only
         from rlhf_trainers.onpolicy import forward
 
@@ -368,16 +368,16 @@ def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, la
         packed_logits = forward.packed_logits
         monkeypatch.setattr(forward, "packed_logits", lambda m, p: calls.append(p) or packed_logits(m, p))
     with torch.no_grad():
-        samples = trainer.sample_responses(trainer._prompt_batch(0), trainer.completions_per_prompt)
+        samples = trainer.producer.sample(trainer.producer.prompt_batch(0), trainer.completions_per_prompt)
     samples = _with_short_responses(trainer, samples)
     mask = samples.response_mask
     assert mask.sum(1).unique().numel() > 2  # lengths vary
 
     # Rollout passes: policy log-probs and entropy, reference log-probs, values.
     with torch.no_grad():
-        packed = trainer.rollout_logprobs(samples)
+        packed = trainer.passes.logprobs(samples)
         with _padded(trainer):
-            padded = trainer.rollout_logprobs(samples)
+            padded = trainer.passes.logprobs(samples)
     for name in ("logprobs", "entropy", "ref_logprobs", "values"):
         got, want = getattr(packed, name), getattr(padded, name)
         torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=ATOL, msg=name)
@@ -388,7 +388,7 @@ def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, la
         assert calls
 
     # Training forward and one backward pass; one row without valid tokens (an invalid reward).
-    rollout = trainer.assemble_rollout(samples, trainer.score_samples(samples), packed)
+    rollout = trainer.producer.assemble(samples, trainer.producer.score(samples), packed)
     rollout.response_mask[2] = False
     rows = torch.arange(rollout.response.shape[0])
     weights = torch.randn(rollout.response.shape, generator=torch.Generator().manual_seed(2))
@@ -397,7 +397,7 @@ def test_packed_passes_give_the_padded_ones(kit, tmp_path, arch, lora, fused, la
     for name in ("packed", "padded"):
         context = _padded(trainer) if name == "padded" else torch.enable_grad()
         with context:
-            logprobs, values, entropy = trainer._training_forward(trainer.model, rollout, rows)
+            logprobs, values, entropy = trainer.loop.training_forward(trainer.model, rollout, rows)
         valid = rollout.response_mask
         loss = ((logprobs + 0.3 * values + 0.1 * entropy) * weights * valid).sum()
         results[name] = (logprobs, values, entropy, torch.autograd.grad(loss, params))
@@ -427,26 +427,26 @@ def test_a_model_that_lets_attention_cross_packed_sequences_stays_padded(kit, tm
     AttentionInterface.register("test_whole_row", whole_row)
     model.config._attn_implementation = "test_whole_row"
     assert not padding_free_matches(model) and not one_row_matches(model)
-    with caplog.at_level(logging.INFO, logger="rlhf_trainers.onpolicy.setup"):
+    with caplog.at_level(logging.INFO, logger="rlhf_trainers.onpolicy.passes"):
         trainer = test_rloo._trainer(kit, tmp_path, model=model, padding_free=True)
-    assert not trainer._pack_policy and not trainer._pack_ref
+    assert not trainer.passes.pack_policy and not trainer.passes.pack_ref
     assert "does not keep attention within packed sequences" in caplog.text
-    assert trainer._packed(*_inputs(trainer)) is None
+    assert trainer.passes.packed(*_inputs(trainer)) is None
 
 
 def test_training_passes_under_gradient_checkpointing_keep_rows_of_the_longest_sequence(kit, tmp_path):
     # Checkpointing recomputes a layer's forward in the backward pass, outside the pass's
     # one_row_attention: the training passes keep the rows layout, the no-grad rollout passes one row.
     trainer = test_ppo._trainer(kit, tmp_path, padding_free=True, gradient_checkpointing=True)
-    assert trainer._pack_one_row
+    assert trainer.passes.pack_one_row
     inputs = _inputs(trainer)
-    assert trainer._packed(*inputs, training=True).segments is not None  # not enabled before train()
+    assert trainer.passes.packed(*inputs, training=True).segments is not None  # not enabled before train()
     trainer._enable_gradient_checkpointing()  # what train() does first
-    assert trainer._packed(*inputs).segments is not None
-    assert trainer._packed(*inputs, training=True).segments is None
+    assert trainer.passes.packed(*inputs).segments is not None
+    assert trainer.passes.packed(*inputs, training=True).segments is None
     trainer.policy.gradient_checkpointing_disable()
     trainer.value_model.gradient_checkpointing_disable()
-    assert trainer._packed(*inputs, training=True).segments is not None
+    assert trainer.passes.packed(*inputs, training=True).segments is not None
 
 
 def test_one_row_layout_only_where_its_attention_is_fast(monkeypatch):
@@ -478,7 +478,7 @@ def test_attention_head_size_is_read_from_each_config(kit, arch):
 def test_trainer_packs_rows_where_the_one_row_layout_would_be_slow(kit, tmp_path, monkeypatch, caplog):
     """Where ``one_row_fits`` says no (a GPU without the variable-length kernel, e.g. fp32), the packed
     passes of a batch go in rows of the longest sequence, with an info line; packing stays on."""
-    from rlhf_trainers.onpolicy import setup as setup_module
+    from rlhf_trainers.onpolicy import passes as setup_module
 
     asked = []
 
@@ -487,21 +487,21 @@ def test_trainer_packs_rows_where_the_one_row_layout_would_be_slow(kit, tmp_path
         return False
 
     monkeypatch.setattr(setup_module, "one_row_fits", fits)
-    with caplog.at_level(logging.INFO, logger="rlhf_trainers.onpolicy.setup"):
+    with caplog.at_level(logging.INFO, logger="rlhf_trainers.onpolicy.passes"):
         trainer = test_ppo._trainer(kit, tmp_path, padding_free=True)
-    assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
-    assert not trainer._pack_one_row and "rows of the longest sequence" in caplog.text
+    assert trainer.passes.pack_policy and trainer.passes.pack_ref and trainer.passes.pack_values
+    assert not trainer.passes.pack_one_row and "rows of the longest sequence" in caplog.text
     head = packing_module.attention_head_size(trainer.policy)
     assert ("cpu", torch.float32, head) in asked
-    packed = trainer._packed(*_inputs(trainer))
+    packed = trainer.passes.packed(*_inputs(trainer))
     assert packed is not None and packed.segments is None
 
 
 def _inputs(trainer):
     with torch.no_grad():
-        samples = trainer.sample_responses(trainer._prompt_batch(0), trainer.completions_per_prompt)
+        samples = trainer.producer.sample(trainer.producer.prompt_batch(0), trainer.completions_per_prompt)
     first, end = trim_bounds(samples.query_mask, samples.response_mask)
-    ids, mask, positions = trainer._sequence_inputs(
+    ids, mask, positions = trainer.passes.sequence_inputs(
         samples.query[:, first:],
         samples.query_mask[:, first:],
         samples.response[:, :end],
@@ -512,14 +512,14 @@ def _inputs(trainer):
 
 def test_on_by_default_and_off_when_asked(kit, tmp_path):
     trainer = test_ppo._trainer(kit, tmp_path / "on")
-    assert trainer._pack_policy and trainer._pack_ref and trainer._pack_values
+    assert trainer.passes.pack_policy and trainer.passes.pack_ref and trainer.passes.pack_values
     trainer = test_ppo._trainer(kit, tmp_path / "off", padding_free=False)
-    assert not (trainer._pack_policy or trainer._pack_ref or trainer._pack_values)
+    assert not (trainer.passes.pack_policy or trainer.passes.pack_ref or trainer.passes.pack_values)
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_whole_runs_give_the_same_metrics_and_model(kit, tmp_path, algorithm, monkeypatch):
-    from rlhf_trainers.onpolicy import rollout as rollout_module
+    from rlhf_trainers.onpolicy import passes as rollout_module
 
     shared = []  # whether some packed row held several sequences, per packing
 
@@ -578,7 +578,7 @@ def test_token_budget_counts_real_tokens_when_packed(kit, tmp_path, monkeypatch)
     fixed = test_rloo._trainer(kit, tmp_path / "fixed", **common)
     budget = test_rloo._trainer(kit, tmp_path / "budget", max_tokens_per_microbatch=40, **common)
     seen: list[tuple[int, int, int]] = []
-    forward = budget._training_forward
+    forward = budget.loop.training_forward
 
     def recording(model, rollout, rows, bounds=None):
         first, end = bounds
@@ -586,7 +586,7 @@ def test_token_budget_counts_real_tokens_when_packed(kit, tmp_path, monkeypatch)
         seen.append((len(rows), real, (rollout.query.shape[1] - first) + end))
         return forward(model, rollout, rows, bounds)
 
-    monkeypatch.setattr(budget, "_training_forward", recording)
+    monkeypatch.setattr(budget.loop, "training_forward", recording)
     fixed.train()
     budget.train()
     assert all(real <= 40 or n == 1 for n, real, _ in seen), seen
@@ -691,12 +691,12 @@ def test_the_trainer_scores_texts_with_another_tokenizer_packed(kit, tmp_path, m
     sources = trainer.reward_sources
     assert not sources.same_tokenizer and sources.padding_free
     with torch.no_grad():
-        samples = _with_short_responses(trainer, trainer.sample_responses(trainer._prompt_batch(0), 2))
-        packed = trainer.score_samples(samples).total
+        samples = _with_short_responses(trainer, trainer.producer.sample(trainer.producer.prompt_batch(0), 2))
+        packed = trainer.producer.score(samples).total
         assert sources._pack_reward is True and calls
         calls.clear()
         sources._pack_reward = False
-        padded = trainer.score_samples(samples).total
+        padded = trainer.producer.score(samples).total
     assert not calls
     torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
 
@@ -706,9 +706,9 @@ def test_the_trainer_scores_with_the_reward_model_packed(kit, tmp_path):
     sources = trainer.reward_sources
     assert sources.same_tokenizer and sources.padding_free
     with torch.no_grad():
-        samples = _with_short_responses(trainer, trainer.sample_responses(trainer._prompt_batch(0), 2))
-        packed = trainer.score_samples(samples).total
+        samples = _with_short_responses(trainer, trainer.producer.sample(trainer.producer.prompt_batch(0), 2))
+        packed = trainer.producer.score(samples).total
         assert sources._pack_reward is True
         sources._pack_reward = False
-        padded = trainer.score_samples(samples).total
+        padded = trainer.producer.score(samples).total
     torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)

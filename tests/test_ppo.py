@@ -216,7 +216,7 @@ def test_peft_reference_is_the_adapter_disabled_policy_with_one_base_copy(kit, t
     mask = torch.ones_like(ids)
     pos = F.position_ids_from_mask(mask)
     response = ids[:, 3:]
-    ref = trainer._reference_logprobs(ids, mask, pos, response)
+    ref = trainer.passes.reference_logprobs(ids, mask, pos, response)
     expected = F.logprobs_from_logits(fresh(input_ids=ids).logits[:, 2:-1], response, 1.0)
     assert torch.allclose(ref, expected, atol=1e-5)
     # save_model writes the adapter folder.
@@ -263,7 +263,7 @@ def test_a_value_model_from_a_normalized_reward_model_starts_in_normalized_units
             prompts=["x"],
             completions=["y"],
             columns={},
-            reward_model_forward=trainer._reward_forward,
+            reward_model_forward=trainer.passes.reward_forward,
         )[0]
     torch.testing.assert_close(values, raw * 0.25 - 1.5)
     # The last token's value is the reward model's (normalized) score of the sequence.
@@ -359,7 +359,7 @@ def test_long_prompts_are_truncated_from_the_left_and_counted(kit, tmp_path):
 
 def test_rollout_uses_left_padding_and_position_ids(kit, tmp_path):
     trainer = _trainer(kit, tmp_path)
-    batch = trainer._prompt_batch(0)
+    batch = trainer.producer.prompt_batch(0)
     r = trainer.rollout(batch)
     q, qm = r.query, r.query_mask
     assert (q[~qm] == trainer.processing_class.pad_token_id).all()
@@ -379,13 +379,13 @@ def test_rollout_uses_left_padding_and_position_ids(kit, tmp_path):
 
 def test_fixed_length_responses_ignore_eos(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, stop_token=None, response_length=10)
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     assert (r.lengths == 10).all()
     assert r.response_mask.all()
     # Generation did not stop at EOS either: no padding anywhere, and EOS sampled mid-response is kept.
     assert not (r.response == trainer.processing_class.pad_token_id).any()
     eos = _trainer(kit, tmp_path, response_length=10)
-    r = eos.rollout(eos._prompt_batch(0))
+    r = eos.rollout(eos.producer.prompt_batch(0))
     assert (r.lengths < 10).any(), "with stop_token='eos' responses end at EOS"
     eos_id = eos.processing_class.eos_token_id
     for row, n in zip(r.response, r.lengths, strict=True):
@@ -399,7 +399,7 @@ def test_stop_token_id_with_truncate_after_and_rejection_penalty(kit, tmp_path):
     trainer = _trainer(
         kit, tmp_path, stop_token_id=period, truncate_after=2, rejection_penalty=-1.0, response_length=10
     )
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     for row, n, found in zip(r.response, r.lengths, r.found_stop, strict=True):
         hits = [i for i, t in enumerate(row[:n].tolist()) if t == period and i >= 2]
         if found:
@@ -423,7 +423,7 @@ def test_score_shaping_order_and_values(kit, tmp_path):
     scores = torch.tensor([0.5, 2.0, -3.0, 0.75, float("nan")])
     lengths = torch.tensor([2, 2, 2, 8, 2])
     found = torch.tensor([True, True, False, True, True])
-    shaped, valid = trainer._shape_scores(scores, lengths, found)
+    shaped, valid = trainer.producer.shape_scores(scores, lengths, found)
     # scale [0,1] -> [-1,1] (clamped), clip to 0.8, overlong ramp, then subtract 1 without a stop token.
     expected = torch.tensor([0.0, 0.8, -0.8 - 1.0, 0.5 - 0.5, 0.0])
     assert torch.allclose(shaped, expected)
@@ -446,7 +446,7 @@ def test_nan_rewards_are_masked_out_and_counted(kit, tmp_path):
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_estimator(kit, tmp_path, estimator):
     trainer = _trainer(kit, tmp_path, kl_estimator=estimator)
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     expected = F.kl_penalty(r.logprobs, r.ref_logprobs, estimator) * r.response_mask
     assert torch.allclose(r.kl, expected)
     rewards = trainer.token_rewards(r)
@@ -469,7 +469,7 @@ def test_adaptive_kl_coefficient_moves_towards_the_target(kit, tmp_path):
 
 def test_reward_whitening_keeps_the_mean(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, whiten_rewards=True, per_device_train_batch_size=16)
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     trainer.args.whiten_rewards = False
     raw = trainer.token_rewards(r)
     trainer.args.whiten_rewards = True
@@ -481,7 +481,7 @@ def test_reward_whitening_keeps_the_mean(kit, tmp_path):
 
 def test_gae_options_reach_the_advantages(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, lam_value=1.0, whiten_advantages=False)
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     adv = trainer.compute_advantages(r, trainer.token_rewards(r))
     mask = r.response_mask
     # lam_value = gamma = 1: the returns are the reward-to-go (Monte-Carlo), whatever the values.
@@ -500,7 +500,7 @@ def test_gae_options_reach_the_advantages(kit, tmp_path):
 
 def test_clip_options_change_the_loss(kit, tmp_path):
     trainer = _trainer(kit, tmp_path)
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     adv = trainer.compute_advantages(r, trainer.token_rewards(r))
     idx = torch.arange(8)
     # A policy far from the rollout one: ratio e > 1.5 at every token, so that cliprange_high acts on each
@@ -604,7 +604,7 @@ def test_rollout_values_from_the_first_training_pass_give_the_same_update(kit, t
     values, the advantages and the weights after two updates (2 epochs) are those of a separate value pass
     over every row (fp32, within 1e-5), and the no-grad pass sees one micro-batch fewer rows. Also with a
     LoRA policy under gradient checkpointing (the kept forward pass's graph recomputes in step 7)."""
-    from rlhf_trainers.onpolicy import rollout as rollout_steps
+    from rlhf_trainers.onpolicy import passes as rollout_steps
 
     split = dict(split)
     if split.pop("lora", False):
@@ -630,7 +630,7 @@ def test_rollout_values_from_the_first_training_pass_give_the_same_update(kit, t
         trainer = _trainer(
             kit, tmp_path / sub, max_steps=1, num_ppo_epochs=2, rollout_values=mode, stop_token="eos", **split
         )
-        assert trainer.values_from_training_pass == (mode == "auto")
+        assert trainer.loop.values_from_training_pass == (mode == "auto")
         with torch.no_grad():  # values far from 0 from the start (the head starts at zero otherwise)
             trainer.value_model.score.weight.copy_(
                 torch.randn(
@@ -663,8 +663,10 @@ def test_rollout_values_from_the_first_training_pass_give_the_same_update(kit, t
 
 
 def test_rollout_values_fall_back_to_a_separate_pass_where_the_training_pass_differs(kit, tmp_path):
-    assert not _trainer(kit, tmp_path / "a", model="gpt2", disable_dropout=False).values_from_training_pass
-    assert not _trainer(kit, tmp_path / "b", rollout_values="forward").values_from_training_pass
+    assert not _trainer(
+        kit, tmp_path / "a", model="gpt2", disable_dropout=False
+    ).loop.values_from_training_pass
+    assert not _trainer(kit, tmp_path / "b", rollout_values="forward").loop.values_from_training_pass
     with pytest.raises(ValueError, match="rollout_values='first'"):
         _config(tmp_path, rollout_values="first")
 
@@ -921,7 +923,7 @@ def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(k
     """PPO's rollout and training forward passes skip the all-padding prompt and response columns; the
     values, log-probs, losses and gradients (policy and value model) are those of full-width passes."""
     from rlhf_trainers.onpolicy import forward
-    from rlhf_trainers.onpolicy import rollout as rollout_steps
+    from rlhf_trainers.onpolicy import passes as rollout_steps
 
     R = 10
     trainer = _trainer(
@@ -935,8 +937,8 @@ def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(k
         response[torch.arange(query.shape[0]), 1 + torch.arange(query.shape[0]) % 4] = eos
         return response, None
 
-    trainer._generate = generate
-    batch = trainer._prompt_batch(0)
+    trainer.sampler.generate = generate
+    batch = trainer.producer.prompt_batch(0)
     trimmed = trainer.rollout(batch)
     with monkeypatch.context() as m:
         m.setattr(rollout_steps, "trim_bounds", lambda query_mask, response_mask: (0, response_mask.shape[1]))
@@ -955,7 +957,7 @@ def test_trimmed_forward_passes_give_the_untrimmed_values_losses_and_gradients(k
     results = []
     for bounds in (None, (0, R)):
         model.zero_grad()
-        logprobs, values, _ = trainer._training_forward(model, trimmed, idx, bounds)
+        logprobs, values, _ = trainer.loop.training_forward(model, trimmed, idx, bounds)
         assert logprobs.shape == values.shape == (len(idx), R)
         loss, _ = trainer.compute_policy_loss(trimmed, trimmed_adv, idx, logprobs, values)
         loss.backward()
@@ -974,7 +976,7 @@ def test_several_completions_per_prompt(kit, tmp_path):
     completion its own GAE episode; the rollout per process must be a multiple of it."""
     trainer = _trainer(kit, tmp_path, num_generations=2, max_steps=2)
     assert trainer.local_prompts == 4 and trainer.prompts_per_update == 4
-    rollout = trainer.rollout(trainer._prompt_batch(0))
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     assert torch.equal(rollout.query[:4], rollout.query[4:])
     assert rollout.response.shape[0] == 8
     trainer.train()

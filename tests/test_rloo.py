@@ -98,7 +98,7 @@ class StopAt(TrainerCallback):
 
 
 def _rollout(trainer: RLOOTrainer) -> tuple[Rollout, Advantages]:
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     return r, trainer.compute_advantages(r, trainer.token_rewards(r))
 
 
@@ -252,7 +252,7 @@ def test_the_rloo_blog_snippet_runs_unchanged(kit, tmp_path, monkeypatch, blog_b
     assert trainer.processing_class.pad_token_id == len(tok)  # a new token past the kit vocabulary
     # Without an embedding row for it, every forward pass reads 0 at the padding instead.
     has_row = trainer.policy.get_input_embeddings().num_embeddings > len(tok)
-    assert trainer._input_pad_id == (len(tok) if has_row else 0)
+    assert trainer.passes.input_pad_id == (len(tok) if has_row else 0)
     assert trainer.ref_model is namespace["ref_policy"] and trainer.reward_model is namespace["reward_model"]
     assert not torch.equal(_digest(trainer.policy), _digest(namespace["ref_policy"]))
     logged = [h for h in trainer.state.log_history if "objective/rlhf_reward" in h]
@@ -385,7 +385,7 @@ def test_peft_reference_is_the_adapter_disabled_policy_with_one_base_copy(kit, t
     mask = torch.ones_like(ids)
     pos = F.position_ids_from_mask(mask)
     response = ids[:, 3:]
-    ref = trainer._reference_logprobs(ids, mask, pos, response)
+    ref = trainer.passes.reference_logprobs(ids, mask, pos, response)
     expected = F.logprobs_from_logits(fresh(input_ids=ids).logits[:, 2:-1], response, 1.0)
     assert torch.allclose(ref, expected, atol=1e-5)
     trainer.save_model()
@@ -487,7 +487,7 @@ def test_invalid_rewards_in_a_run_get_zero_advantage_and_are_counted(kit, tmp_pa
 def test_rloo_k_copies_each_prompt_k_times(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, rloo_k=4, per_device_train_batch_size=12)
     assert trainer.local_prompts == 3
-    batch = trainer._prompt_batch(0)
+    batch = trainer.producer.prompt_batch(0)
     r, adv = _rollout(trainer)
     B = batch["input_ids"].shape[0]
     assert B == 3 and r.query.shape[0] == r.response.shape[0] == 12
@@ -526,7 +526,7 @@ def test_sequence_level_and_token_level_advantages(kit, tmp_path):
 
 def test_kl_coef_enters_the_sequence_reward(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, rloo_k=4, ref_model=kit.load_model("llama"))
-    r = trainer.rollout(trainer._prompt_batch(0))
+    r = trainer.rollout(trainer.producer.prompt_batch(0))
     trainer.kl_ctl = F.FixedKLController(0.0)
     adv = trainer.compute_advantages(r, trainer.token_rewards(r))
     assert torch.allclose(adv.advantages[:, 0], F.rloo_advantages(r.scores, 4), atol=1e-6)
@@ -636,7 +636,7 @@ def test_reward_clip_and_missing_eos_penalty_shape_the_scores(kit, tmp_path):
         return [0.0] * len(completions)
 
     short = _trainer(kit, tmp_path, reward_funcs=zero, missing_eos_penalty=1.0, response_length=2, rloo_k=4)
-    r = short.rollout(short._prompt_batch(0))
+    r = short.rollout(short.producer.prompt_batch(0))
     assert (~r.found_stop).any()
     assert torch.equal(r.scores, -(~r.found_stop).float())
 
@@ -772,7 +772,7 @@ def test_whiten_rewards_with_the_token_level_reward(kit, tmp_path):
 
 
 def _early_stopping_generation(trainer, width: int):
-    """A deterministic ``_generate``: random tokens with the EOS stop token at position 1 + row % 4, so
+    """A deterministic ``sampler.generate``: random tokens with the EOS stop token at position 1 + row % 4, so
     every response ends before column 5 of ``width`` and the lengths differ between rows."""
     eos = trainer.processing_class.eos_token_id
 
@@ -791,7 +791,7 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
     the response columns after the longest response; log-probs, entropies, losses and gradients are
     those of the full-width passes (temperature != 1, sequence-level and token-level losses)."""
     from rlhf_trainers.onpolicy import forward
-    from rlhf_trainers.onpolicy import rollout as rollout_steps
+    from rlhf_trainers.onpolicy import passes as rollout_steps
 
     R = 10
     trainer = _trainer(
@@ -804,8 +804,8 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
         train_n=64,
         rollout_logprobs="forward",  # the rollout's policy forward pass is one of the trimmed ones
     )
-    trainer._generate = _early_stopping_generation(trainer, R)
-    batch = trainer._prompt_batch(0)
+    trainer.sampler.generate = _early_stopping_generation(trainer, R)
+    batch = trainer.producer.prompt_batch(0)
     trimmed = trainer.rollout(batch)
     with monkeypatch.context() as m:
         m.setattr(rollout_steps, "trim_bounds", lambda query_mask, response_mask: (0, response_mask.shape[1]))
@@ -828,7 +828,7 @@ def test_trimmed_forward_passes_give_the_untrimmed_results(kit, tmp_path, monkey
         results = []
         for bounds in (None, (0, R)):
             model.zero_grad()
-            logprobs, values, entropy = trainer._training_forward(model, trimmed, idx, bounds)
+            logprobs, values, entropy = trainer.loop.training_forward(model, trimmed, idx, bounds)
             assert values is None and logprobs.shape == entropy.shape == (len(idx), R)
             assert (
                 entropy.requires_grad

@@ -287,7 +287,7 @@ def _trainer(kit, tmp_path, model="llama-sft", **overrides) -> RLOOTrainer:
 
 def _seeded_rollout(trainer):
     torch.manual_seed(11)
-    return trainer.rollout(trainer._prompt_batch(0))
+    return trainer.rollout(trainer.producer.prompt_batch(0))
 
 
 def test_rollout_from_generation_matches_the_forward_pass(kit, tmp_path):
@@ -296,9 +296,9 @@ def test_rollout_from_generation_matches_the_forward_pass(kit, tmp_path):
     assert not fwd.logprobs_from_generation and gen.logprobs_from_generation
     timings_f, timings_g = defaultdict(float), defaultdict(float)
     torch.manual_seed(11)
-    a = fwd.rollout(fwd._prompt_batch(0), timings_f)
+    a = fwd.rollout(fwd.producer.prompt_batch(0), timings_f)
     torch.manual_seed(11)
-    b = gen.rollout(gen._prompt_batch(0), timings_g)
+    b = gen.rollout(gen.producer.prompt_batch(0), timings_g)
     assert torch.equal(a.response, b.response)
     m = a.response_mask
     assert m.all(1).sum() < m.shape[0]  # some responses stopped early
@@ -330,7 +330,7 @@ def test_the_models_generation_config_does_not_change_the_draws(kit, tmp_path, l
     assert tweaked.policy.generation_config.repetition_penalty == 3.0  # set aside, then restored
     # What the settings would have done to a plain generate() call with the same seed.
     tok = tweaked.processing_class
-    batch = tweaked._prompt_batch(0)
+    batch = tweaked.producer.prompt_batch(0)
     q = batch["input_ids"].repeat(2, 1)
     qm = batch["attention_mask"].repeat(2, 1)
     torch.manual_seed(11)

@@ -67,8 +67,8 @@ def _forward_logprobs(trainer, prompt: list[int], completion: list[int]) -> torc
             mask,
             positions,
             torch.tensor([completion]),
-            trainer._logprob_options(),
-            fused_head=trainer._fused_policy,
+            trainer.passes.logprob_options(),
+            fused_head=trainer.passes.fused_policy,
         )
     return logprobs[0].float()
 
@@ -138,11 +138,11 @@ def test_lora_adapter_is_merged_into_the_engine(kit, tmp_path, adapter):
 
 def test_sampling_follows_the_settings_and_the_torch_seed(kit, tmp_path):
     trainer = _trainer(kit, tmp_path, response_length=10, temperature=0.7)
-    batch = trainer._prompt_batch(0)
+    batch = trainer.producer.prompt_batch(0)
 
     def sample(seed):
         torch.manual_seed(seed)
-        return trainer.sample_responses(batch, copies=4, with_logprobs=True)
+        return trainer.producer.sample(batch, copies=4, with_logprobs=True)
 
     # On CPU the engine's KV blocks are 32 tokens with the prefix cache on, so that a group's copies of a
     # prompt (below: 4) share its whole blocks (vLLM's CPU default, 128, left prompts this short unshared);
@@ -164,7 +164,7 @@ def test_sampling_follows_the_settings_and_the_torch_seed(kit, tmp_path):
             assert (row[length:] == pad).all()
         assert (row[: length - 1] != eos).all()
     # vLLM's log-probs are those of softmax(logits / temperature), as the trainer's forward computes them.
-    passes = trainer.rollout_logprobs(first)
+    passes = trainer.passes.logprobs(first)
     mask = first.response_mask
     torch.testing.assert_close(first.generation_logprobs[mask], passes.logprobs[mask], atol=1e-4, rtol=0)
 
@@ -175,8 +175,8 @@ def test_top_k_top_p_restrict_vllms_draws_and_its_processed_logprobs(kit, tmp_pa
     weights pi_train / pi_vllm are at most 1 (docs/generation.md)."""
     trainer = _trainer(kit, tmp_path, response_length=10, temperature=0.7, top_k=5, top_p=0.6)
     torch.manual_seed(1)
-    samples = trainer.sample_responses(trainer._prompt_batch(0), copies=4, with_logprobs=True)
-    passes = trainer.rollout_logprobs(samples)
+    samples = trainer.producer.sample(trainer.producer.prompt_batch(0), copies=4, with_logprobs=True)
+    passes = trainer.passes.logprobs(samples)
     mask = samples.response_mask
     gap = (samples.generation_logprobs - passes.logprobs)[mask]
     assert gap.min() > -1e-4 and gap.mean() > 0.1, (gap.min(), gap.mean())
@@ -250,7 +250,7 @@ def test_vllms_logprobs_as_the_old_ones_spare_the_policy_pass_and_training_learn
     calls = []
     hook = trainer.policy.register_forward_hook(lambda *_: calls.append(1))
     try:
-        rollout = trainer.rollout(trainer._prompt_batch(0))
+        rollout = trainer.rollout(trainer.producer.prompt_batch(0))
     finally:
         hook.remove()
     assert not calls, "the rollout ran the policy's forward pass"
@@ -381,7 +381,7 @@ def test_an_interrupted_weight_sync_is_redone_in_full(kit, tmp_path, monkeypatch
     monkeypatch.setattr(vllm_colocated, "inference_weights", half_then_fail)
     query = torch.tensor([prompt])
     with pytest.raises(GenerationError, match=r"(?s)while syncing the policy's weights.*dropped"):
-        trainer._generate(query, torch.ones_like(query))
+        trainer.sampler.generate(query, torch.ones_like(query))
     assert streamed and backend.is_stale()  # half of the weights went in; the engine still counts as stale
     monkeypatch.setattr(vllm_colocated, "inference_weights", full_stream)
     after = backend.completion_logprobs([prompt], [completion])[0]

@@ -103,12 +103,12 @@ def check(
     wrapper = trainer.model
     wrapper.zero_grad()
     rows = torch.arange(K * PROMPTS)
-    packed = (trainer._pack_policy, trainer._pack_ref, trainer._pack_values)
+    packed = (trainer.passes.pack_policy, trainer.passes.pack_ref, trainer.passes.pack_values)
     if padded_reference:
-        assert trainer._pack_policy, "the kit's policy packs"
-        trainer._pack_policy = trainer._pack_ref = trainer._pack_values = False
-    logprobs, values, _ = trainer._training_forward(wrapper, full, rows)
-    trainer._pack_policy, trainer._pack_ref, trainer._pack_values = packed
+        assert trainer.passes.pack_policy, "the kit's policy packs"
+        trainer.passes.pack_policy = trainer.passes.pack_ref = trainer.passes.pack_values = False
+    logprobs, values, _ = trainer.loop.training_forward(wrapper, full, rows)
+    trainer.passes.pack_policy, trainer.passes.pack_ref, trainer.passes.pack_values = packed
     whole = LossNormalization.local(full.response_mask, args.response_length)
     loss, _ = trainer.compute_policy_loss(full, full_advantages, rows, logprobs, values, whole)
     loss.backward()

@@ -98,13 +98,13 @@ def main() -> None:
             query_response_ids=ids,
             prompts=[p for p, _ in PROBE_TEXTS],
             completions=[c for _, c in PROBE_TEXTS],
-            reward_model_forward=trainer._reward_forward,
+            reward_model_forward=trainer.passes.reward_forward,
         )
         result["probe_ids"] = ids.tolist()
         result["probe_texts"] = PROBE_TEXTS
         result["probe_scores"] = {name: v.tolist() for name, v in per_source.items()}
-    result["reward_forward"] = type(trainer._reward_forward).__name__
-    result["ref_forward"] = type(trainer._ref_forward).__name__
+    result["reward_forward"] = type(trainer.passes.reward_forward).__name__
+    result["ref_forward"] = type(trainer.passes.ref_forward).__name__
     write_rank_result(cli.output_dir, trainer.accelerator.process_index, result)
 
 

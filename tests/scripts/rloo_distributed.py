@@ -46,7 +46,7 @@ class RecordingRLOOTrainer(RLOOTrainer):
     def _prompt_batch(self, update: int) -> dict[str, Any]:
         # The "idx" column reaches the collated batch like any extra column (it goes to the reward
         # functions too, which ignore it); rows are the k copies of the batch, as in the engine.
-        batch = super()._prompt_batch(update)
+        batch = super().producer.prompt_batch(update)
         self._prompt_index = [int(i) for i in batch["idx"]] * self.args.rloo_k
         return batch
 
@@ -119,7 +119,7 @@ def main() -> None:
         # with its adapter disabled): the test compares them with the untouched kit model's.
         ids = torch.tensor(PROBE_IDS)
         mask = torch.ones_like(ids)
-        ref = trainer._reference_logprobs(
+        ref = trainer.passes.reference_logprobs(
             ids, mask, F.position_ids_from_mask(mask), ids[:, PROBE_PROMPT_LENGTH:]
         )
         result["probe_ref_logprobs"] = ref.tolist()
