@@ -162,15 +162,7 @@ def clipped_policy_loss(
         policy/approxkl), ``ratio_mean``, ``ratio_var`` (biased), ``ratio_max``, ``ratio_min``.  All 0
         when no token is valid.
     """
-    if not 0.0 < clip_low < 1.0:
-        raise ValueError(
-            f"clip_low must be in (0, 1) (the ratio's lower bound is 1 - clip_low), got {clip_low!r}."
-        )
-    clip_high = clip_low if clip_high is None else clip_high
-    if not clip_high > 0.0:
-        raise ValueError(f"clip_high must be > 0, got {clip_high!r}.")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip (ratio_clip_c) must be > 1 or None to disable it, got {dual_clip!r}.")
+    clip_high = _check_clip(clip_low, clip_high, dual_clip)
     _check_agg_mode(loss_agg_mode)
 
     work_dtype = _work_dtype(logprobs, old_logprobs, advantages)
@@ -201,19 +193,39 @@ def clipped_policy_loss(
     per_token = torch.where(valid, per_token, zero)
     loss = _aggregate(per_token, valid, loss_agg_mode, denominator, max_length)
 
-    with torch.no_grad():
-        ratio_float = ratio.detach().float()
-        has = valid.any()  # stays a tensor: no host sync per micro-batch just for logging
-        metrics = {
-            "clipfrac": _frac(clipped, valid),
-            "dual_clipfrac": _frac(dual_active, valid),
-            "approxkl": 0.5 * masked_mean(log_ratio.detach().float().square(), valid),
-            "ratio_mean": masked_mean(ratio_float, valid),
-            "ratio_var": masked_var(ratio_float, valid),
-            "ratio_max": torch.where(has, _masked_extreme(ratio_float, valid, largest=True), 0.0),
-            "ratio_min": torch.where(has, _masked_extreme(ratio_float, valid, largest=False), 0.0),
-        }
-    return loss, metrics
+    return loss, _ratio_metrics(log_ratio, ratio, clipped, dual_active, valid)
+
+
+def _check_clip(clip_low: float, clip_high: float | None, dual_clip: float | None) -> float:
+    """``clip_high`` (``clip_low`` when None), after checking the three clip constants."""
+    if not 0.0 < clip_low < 1.0:
+        raise ValueError(
+            f"clip_low must be in (0, 1) (the ratio's lower bound is 1 - clip_low), got {clip_low!r}."
+        )
+    clip_high = clip_low if clip_high is None else clip_high
+    if not clip_high > 0.0:
+        raise ValueError(f"clip_high must be > 0, got {clip_high!r}.")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip (ratio_clip_c) must be > 1 or None to disable it, got {dual_clip!r}.")
+    return clip_high
+
+
+@torch.no_grad()
+def _ratio_metrics(
+    log_ratio: Tensor, ratio: Tensor, clipped: Tensor, dual_active: Tensor, valid: Tensor
+) -> dict[str, Tensor]:
+    """The metrics of :func:`clipped_policy_loss`, detached float32 scalars over the valid tokens."""
+    ratio_float = ratio.detach().float()
+    has = valid.any()  # stays a tensor: no host sync per micro-batch just for logging
+    return {
+        "clipfrac": _frac(clipped, valid),
+        "dual_clipfrac": _frac(dual_active, valid),
+        "approxkl": 0.5 * masked_mean(log_ratio.detach().float().square(), valid),
+        "ratio_mean": masked_mean(ratio_float, valid),
+        "ratio_var": masked_var(ratio_float, valid),
+        "ratio_max": torch.where(has, _masked_extreme(ratio_float, valid, largest=True), 0.0),
+        "ratio_min": torch.where(has, _masked_extreme(ratio_float, valid, largest=False), 0.0),
+    }
 
 
 def clipped_value_loss(

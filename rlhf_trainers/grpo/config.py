@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..functional import SCALE_REWARDS
+from ..functional import SCALE_REWARDS, get_advantage_estimator
 from ..onpolicy.config import OnPolicyConfig, named_as_given
 
 #: ``loss_type`` -> the engine's ``loss_agg_mode``. Every mode's counts cover the whole optimizer step
@@ -20,7 +20,7 @@ LOSS_TYPES = {
     "dr_grpo": "seq-mean-token-sum-norm",
 }
 
-#: ``advantage_estimator`` values (verl's ``adv_estimator`` names).
+#: The built-in ``advantage_estimator`` values; more can be registered (``register_advantage_estimator``).
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 #: TRL name -> the engine field it sets (both may be given only with the same value).
@@ -121,8 +121,8 @@ class GRPOConfig(OnPolicyConfig):
             "help": "How the advantages are computed (verl's adv_estimator names): 'grpo' (the group-relative "
             "reward, scale_rewards), 'rloo' (the reward minus the mean of the group's other completions), "
             "'reinforce_plus_plus' (per-token returns of the rewards, KL in the reward per token with "
-            "kl_coef, whitened over the batch) or 'reinforce_plus_plus_baseline' (the reward minus its group's "
-            "mean, whitened over the batch's tokens)."
+            "kl_coef, whitened over the batch), 'reinforce_plus_plus_baseline' (the reward minus its group's "
+            "mean, whitened over the batch's tokens), or a name registered with register_advantage_estimator."
         },
     )
 
@@ -176,9 +176,10 @@ class GRPOConfig(OnPolicyConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1.")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        get_advantage_estimator(self.advantage_estimator)  # a ValueError naming the registered ones
+        if self.advantage_estimator == "gae":
             raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r}: expected one of {ADVANTAGE_ESTIMATORS}."
+                "advantage_estimator='gae' needs a value model, which GRPO has none of; use PPOTrainer for GAE."
             )
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: expected one of {tuple(LOSS_TYPES)}.")

@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..functional import IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_AGG_MODES
+from ..functional import IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, get_policy_loss
 from ..generation.factory import GENERATION_LOOPS
 from ..reliability import ReliabilityArguments
 from ..reward_sources import REWARD_ERROR_MODES
@@ -414,6 +414,13 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     )
 
     # ---- loss -------------------------------------------------------------------------------
+    policy_loss: str = field(
+        default="vanilla",
+        metadata={
+            "help": "The policy loss, by its registered name (rlhf_trainers.functional.register_policy_loss): "
+            "'vanilla' is PPO's clipped surrogate (cliprange, cliprange_high, dual_clip)."
+        },
+    )
     cliprange: float = field(
         default=0.2, metadata={"help": "PPO ratio clip epsilon (below 1, and above unless cliprange_high)."}
     )
@@ -822,6 +829,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             )
         if self.adaptive_kl and not self.kl_target > 0:
             raise ValueError(f"kl_target={self.kl_target}: the adaptive controller needs a target > 0.")
+        get_policy_loss(self.policy_loss)  # a ValueError naming the registered losses
         if not 0 < self.cliprange < 1:
             raise ValueError(f"cliprange={self.cliprange}: expected a number in (0, 1), e.g. 0.2.")
         if self.cliprange_high is not None and not self.cliprange_high > 0:

@@ -189,29 +189,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         )
         tear_down_process_group_at_exit()
 
-        # ---- the parts ----
-        plan = batch_plan(
-            args,
-            completions_per_prompt=self.completions_per_prompt,
-            completions_name=self.completions_per_prompt_name,
-            num_prompts=len(self.train_dataset),
-            world=self.accelerator.num_processes,
-            steps_per_update=self.steps_per_update,
-            deepspeed=self.is_deepspeed_enabled,
-        )
-        self.local_prompts, self.batch_size = plan.local_prompts, plan.batch_size
-        self.prompts_per_update, self.updates_per_data_epoch = (
-            plan.prompts_per_update,
-            plan.updates_per_data_epoch,
-        )
-        self.num_updates, self.total_episodes = plan.num_updates, plan.total_episodes
-        fill_deepspeed_bucket_sizes(self)
-        self.collectives = Collectives(self.accelerator)
-        self.objective = self.objective_class(args, self.collectives)
-        self.passes = ModelPasses(self, models.vocab)
-        self.sampler = PolicySampler(self, stop_ids)
-        self.producer: RolloutProducer = SingleTurnProducer(self)
-        self.loop = OptimizationLoop(self)
+        self._build_parts(models, stop_ids)
         self._compiled = self._compile_blocks()
         self.kl_ctl: F.AdaptiveKLController | F.FixedKLController = (
             F.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
@@ -226,6 +204,30 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         # (the engine steps its learning-rate schedule itself, skipped optimizer steps included)
         self._reliability = reliability_callback(self, loop_holds_schedule_on_skip=False)
         self.add_callback(self._reliability)
+
+    def _build_parts(self, models: Any, stop_ids: list[int]) -> None:
+        """The batch plan and the engine's parts, once ``Trainer.__init__`` made the accelerator."""
+        args = self.args
+        plan = batch_plan(
+            args,
+            completions_per_prompt=self.completions_per_prompt,
+            completions_name=self.completions_per_prompt_name,
+            num_prompts=len(self.train_dataset),
+            world=self.accelerator.num_processes,
+            steps_per_update=self.steps_per_update,
+            deepspeed=self.is_deepspeed_enabled,
+        )
+        self.local_prompts, self.batch_size = plan.local_prompts, plan.batch_size
+        self.prompts_per_update = plan.prompts_per_update
+        self.updates_per_data_epoch = plan.updates_per_data_epoch
+        self.num_updates, self.total_episodes = plan.num_updates, plan.total_episodes
+        fill_deepspeed_bucket_sizes(self)
+        self.collectives = Collectives(self.accelerator)
+        self.objective = self.objective_class(args, self.collectives)
+        self.passes = ModelPasses(self, models.vocab)
+        self.sampler = PolicySampler(self, stop_ids)
+        self.producer: RolloutProducer = SingleTurnProducer(self)
+        self.loop = OptimizationLoop(self)
 
     def accelerator_arguments(self, **kwargs: Any) -> dict[str, Any]:
         """Trainer's accelerator arguments without a compiling dynamo plugin: ``torch_compile`` is the
@@ -251,32 +253,6 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
                 )
             accelerator_args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
         return accelerator_args
-
-    def _compile_blocks(self) -> CompiledBlocks | None:
-        """``torch_compile``: the repeated blocks (decoder layers) of the policy, value, reference and
-        reward models, compiled for the engine's passes (:class:`~rlhf_trainers.compilation.CompiledBlocks`);
-        None when off."""
-        args = self.args
-        if not args.torch_compile:
-            return None
-        if self.is_deepspeed_enabled:
-            raise ValueError(TORCH_COMPILE_WITH_DEEPSPEED)
-        frozen = [m for m in (self.ref_model, self.reward_model) if m is not None]
-        compiled = CompiledBlocks(
-            [self.policy, self.value_model, *frozen],
-            backend=args.torch_compile_backend,
-            mode=args.torch_compile_mode,
-        )
-        if not len(compiled):
-            logger.warning(
-                "torch_compile=True: no repeated blocks found in the models (no _no_split_modules and no "
-                "ModuleList of one class); they run eager."
-            )
-        return compiled
-
-    def _compiled_passes(self) -> contextlib.AbstractContextManager[Any]:
-        """The context of the engine's passes: the compiled blocks active under ``torch_compile``."""
-        return self._compiled.active() if self._compiled is not None else contextlib.nullcontext()
 
     def _compile_blocks(self) -> CompiledBlocks | None:
         """``torch_compile``: the repeated blocks (decoder layers) of the policy, value, reference and
