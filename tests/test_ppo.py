@@ -22,7 +22,7 @@ from rlhf_trainers import functional as F
 from rlhf_trainers.onpolicy.checkpoint import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
 from rlhf_trainers.testing import true_reward
 
-# Settings under which the tiny policy learns the task in a few seconds.
+# Settings under which the tiny policy learns the task within a few dozen updates.
 LEARN = {
     "learning_rate": 2e-3,
     "per_device_train_batch_size": 16,

@@ -23,7 +23,7 @@ from rlhf_trainers.onpolicy.rollout import Advantages, Rollout
 from rlhf_trainers.rloo import SIMPLE_QUERY_CHAT_TEMPLATE, leave_one_out
 from rlhf_trainers.testing import true_reward
 
-# Settings under which the tiny policy learns the task in a few seconds (8 prompts x 4 completions).
+# Settings under which the tiny policy learns the task within a few dozen updates (8 prompts x 4 completions).
 LEARN = {
     "learning_rate": 2e-3,
     "per_device_train_batch_size": 16,
