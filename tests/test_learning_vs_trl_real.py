@@ -100,6 +100,7 @@ def test_both_sides_train_the_same_job_and_the_report_holds_the_summary(
     monkeypatch.setattr(driver, "run_prepare", lambda cmd: {**assets, "test_rows": 3})
     monkeypatch.setattr(driver, "interpreters", lambda args: {"ours": "python-ours", "trl": "python-trl"})
     monkeypatch.setattr(driver, "plot", lambda report, path: None)  # matplotlib: the `demo` extra
+    monkeypatch.setattr(driver, "git_state", lambda: {"commit": "c"})
     argv = ["--seeds", "0,1", "--updates", "4", "--batch", "8", "--rloo-k", "2", "--work-dir", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", ["learning_vs_trl_real.py", *argv, "--out", str(tmp_path / "out")])
     driver.main()

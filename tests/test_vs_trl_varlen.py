@@ -142,6 +142,7 @@ def _stub_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         },
     )
     monkeypatch.setattr(vs_trl, "model_shapes", lambda info: {"policy": SHAPE, "reward": SHAPE})
+    monkeypatch.setattr(vs_trl, "git_state", lambda: {"commit": "c"})
     return specs
 
 
@@ -195,12 +196,8 @@ def test_both_sides_run_the_same_job_and_the_report_holds_the_ratios_of_the_medi
         assert {**ours, "impl": None} == {**trl, "impl": None}
     settings = specs[0]["settings"]
     assert all(s["settings"] == settings for s in specs)
-    assert (settings["batch"], settings["rloo_k"], settings["num_generations"], settings["updates"]) == (
-        8,
-        2,
-        2,
-        3,
-    )
+    given = {"batch": 8, "rloo_k": 2, "num_generations": 2, "updates": 3}
+    assert {key: settings[key] for key in given} == given
     if "--stop-at-eos" in argv:
         assert settings["fixed_length"] is False
         # one prompt per prompt of an update: PPO's 8, RLOO's 8 / rloo_k
