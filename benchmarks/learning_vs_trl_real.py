@@ -378,6 +378,8 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     parser.add_argument("--render", metavar="JSON", help="only redraw the table and plot of a result file")
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    # learning_settings() also reads GRPO's options, which this driver does not run (dropped below)
+    parser.set_defaults(num_generations=None, beta=None, loss_type=None)
     args = parser.parse_args()
     work = Path(args.work_dir).expanduser()
     if args.render:
@@ -392,8 +394,9 @@ def main() -> None:
     cmd += [f"--train-rows={args.train_rows}"] if args.train_rows else []
     cmd += [f"--test-rows={args.test_rows}"]
     assets = run_prepare(cmd)
+    grpo_only = ("num_generations", "beta", "loss_type")
     settings = {
-        **learning_settings(args),
+        **{k: v for k, v in learning_settings(args).items() if k not in grpo_only},
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha},
         "lr_scheduler_type": "constant",
     }

@@ -1,8 +1,10 @@
 """benchmarks/learning_vs_trl_real.py and the parts of benchmarks/vs_trl_worker.py it adds: the reward
-function's column check, the datasets both sides train on, and the summary (no models, no TRL)."""
+function's column check, the datasets both sides train on, that both sides of a seed train the same job,
+and the summary (no models, no TRL)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,12 +78,53 @@ def test_summary_compares_gains_at_equal_episodes() -> None:
     assert ours["train_wall_s_mean"] == 80.0
 
 
-def test_table_lists_both_measures_and_what_differs() -> None:
-    results = [_run("ours", 0, [0.0, 0.5], [0.1, 0.4]), _run("trl", 0, [0.0, 0.25], [0.1, 0.3])]
-    report = {"results": results, "trl_versions": ["1.16.0"], "settings_text": "settings"}
-    report["summary"] = driver.summarize(results)
-    text = "\n".join(driver.table(report))
-    assert "| ours RLOO | 0 | held-out success (strict) | 0.000 | 0.500 | +0.500 | +0.500 |" in text
-    assert "| TRL 1.16.0 RLOO | 0 | held-out reward (shaped) | 0.100 | 0.300 | +0.200 | +0.200 |" in text
-    assert "ours - TRL mean gain = +0.250 (success)" in text
-    assert all(note in text for note in driver.NOTES)
+def test_both_sides_train_the_same_job_and_the_report_holds_the_summary(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """main() without models, TRL or subprocesses: every worker returns a made-up learning curve."""
+    specs: list[dict[str, Any]] = []
+    curves = {  # (impl, seed): success at each evaluation (the reward is half of it)
+        ("ours", 0): [0.0, 0.25],
+        ("ours", 1): [0.0, 0.75],
+        ("trl", 0): [0.0, 0.0],
+        ("trl", 1): [0.5, 0.5],
+    }
+
+    def run_worker(python: str, spec: dict[str, Any], log_dir: Path, name: str) -> dict[str, Any]:
+        specs.append(json.loads(json.dumps(spec)))
+        success = curves[(spec["impl"], spec["settings"]["seed"])]
+        return _run(spec["impl"], spec["settings"]["seed"], success, [x / 2 for x in success])
+
+    assets = {"policy": str(tmp_path / "policy"), "rows": str(tmp_path / "rows.json"), "train_rows": 9}
+    monkeypatch.setattr(driver, "run_worker", run_worker)
+    monkeypatch.setattr(driver, "run_prepare", lambda cmd: {**assets, "test_rows": 3})
+    monkeypatch.setattr(driver, "interpreters", lambda args: {"ours": "python-ours", "trl": "python-trl"})
+    monkeypatch.setattr(driver, "plot", lambda report, path: None)  # matplotlib: the `demo` extra
+    monkeypatch.setattr(driver, "git_state", lambda: {"commit": "c"})
+    argv = ["--seeds", "0,1", "--updates", "4", "--batch", "8", "--rloo-k", "2", "--work-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["learning_vs_trl_real.py", *argv, "--out", str(tmp_path / "out")])
+    driver.main()
+
+    # seed 1: TRL first
+    assert [(s["impl"], s["settings"]["seed"]) for s in specs] == [
+        ("ours", 0),
+        ("trl", 0),
+        ("trl", 1),
+        ("ours", 1),
+    ]
+    # each seed's two runs: the same policy, task rows and settings, only the side differs
+    for ours, trl in zip(specs[0::2], specs[1::2], strict=True):
+        assert {**ours, "impl": None} == {**trl, "impl": None}
+    settings = specs[0]["settings"]
+    assert (settings["batch"], settings["rloo_k"], settings["updates"]) == (8, 2, 4)
+    assert settings["lr_scheduler_type"] == "constant" and settings["fixed_length"] is False
+    assert specs[0]["task"]["rows"] == assets["rows"] and specs[0]["policy"] == assets["policy"]
+
+    report = json.loads((tmp_path / "out" / f"{driver.NAME}.json").read_text())
+    assert (tmp_path / "out" / f"{driver.NAME}.md").is_file()
+    assert report["settings"] == {k: v for k, v in settings.items() if k != "seed"}
+    assert report["trl_versions"] == ["1.16.0"] and len(report["results"]) == 4
+    summary = report["summary"]
+    assert summary["rloo ours"]["success"]["gains"] == [0.25, 0.75]
+    assert summary["rloo trl"]["success"]["gains"] == [0.0, 0.0]
+    assert summary["rloo ours - trl mean gain"] == pytest.approx({"success": 0.5, "reward": 0.25})

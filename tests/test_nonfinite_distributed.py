@@ -11,8 +11,6 @@ step); the learning-rate schedule moves on over skipped steps as on one process;
 limit (RLOO: limit 4, the 5th consecutive step; reward: limit 1, the 2nd), with the weights of step 4.
 
 ZeRO-2 and ZeRO-3 run in fp32 and in bf16 (the engine's bf16 mode, on the CPU too).
-
-Wall times on 2 shared cores (DeepSpeed's comm op compiled): 10-23 s per launch.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 _DEEPSPEED = [pytest.mark.deepspeed, requires_deepspeed]
 #: (trainer, accelerate config, bf16): the on-policy engine under DDP, ZeRO-2, ZeRO-3 and ZeRO-2 in bf16
 #: (whose DeepSpeed check is switched on by the guard); RewardTrainer (transformers.Trainer's loop) under
-#: ZeRO-3 in fp32 and bf16. Six launches of 12-17 s: the other pairs take the same code paths (the full
-#: 10-launch matrix passed when the guard was written).
+#: ZeRO-3 in fp32 and bf16. Six launches: the other pairs take the same code paths.
 CASES = [
     pytest.param("rloo", None, False, id="rloo-ddp"),
     pytest.param("rloo", "zero2", False, id="rloo-zero2", marks=_DEEPSPEED),

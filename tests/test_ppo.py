@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from rlhf_trainers import functional as F
 from rlhf_trainers.onpolicy.checkpoint import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
 from rlhf_trainers.testing import true_reward
 
-# Settings under which the tiny policy learns the task in a few seconds.
+# Settings under which the tiny policy learns the task within a few dozen updates.
 LEARN = {
     "learning_rate": 2e-3,
     "per_device_train_batch_size": 16,
@@ -100,21 +99,17 @@ class StopAt(TrainerCallback):
 
 
 def test_learns_the_hidden_reward_with_a_reward_function(kit, tmp_path):
-    start = time.perf_counter()
     trainer = _trainer(kit, tmp_path, train_n=512, eval_n=128, max_steps=30, **LEARN)
     before = trainer.evaluate()["eval_objective/scores"]
     trainer.train()
     after = trainer.evaluate()["eval_objective/scores"]
-    seconds = time.perf_counter() - start
     assert after - before >= 0.3, (before, after)
-    assert seconds < 180
     logged = [h for h in trainer.state.log_history if "objective/scores" in h]
     assert logged[-1]["objective/scores"] > logged[0]["objective/scores"]
 
 
 @pytest.mark.slow
 def test_learns_the_hidden_reward_with_a_trained_reward_model(kit, tmp_path, reward_model_dir):
-    start = time.perf_counter()
     # The reward model drives training (weight 1); the hidden rule is logged beside it with weight 0.
     trainer = _trainer(
         kit,
@@ -130,11 +125,9 @@ def test_learns_the_hidden_reward_with_a_trained_reward_model(kit, tmp_path, rew
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
-    seconds = time.perf_counter() - start
     gain = after["eval_objective/scores/true_reward"] - before["eval_objective/scores/true_reward"]
     assert gain >= 0.3, (before, after)
     assert after["eval_objective/scores/reward_model"] > before["eval_objective/scores/reward_model"]
-    assert seconds < 180
 
 
 # ---- resume ---------------------------------------------------------------------------------------

@@ -19,11 +19,6 @@ A ZeRO-3 run generates with partitioned weights (``ds3_gather_for_generation=Fal
 as a reward model: it and the reference model run as ZeRO-3 inference engines, and the reward model
 must score fixed sequences exactly as the same model does here on one process. That run takes its
 DeepSpeed settings from a config file with "auto" values, as the transformers docs write them.
-
-Wall times per launch on 2 cores (DeepSpeed's comm op already compiled; the higher numbers with other
-work on the machine): DDP 12-20 s, ZeRO-2 12-28 s, ZeRO-3 20-34 s, resumes 11-27 s, partitioned
-generation with a reward model 23-52 s; 2.5-3.5 min for the file. DeepSpeed's first start on a machine
-adds 45-90 s to compile its comm op, once.
 """
 
 from __future__ import annotations

@@ -578,7 +578,7 @@ def test_reliability_fields_are_validated():
 def test_memory_does_not_grow_over_a_run(kind, updates, save_steps, tmp_path):
     """A shorter form of benchmarks/long_run_memory.py (1,000 updates, within 5 %) for each trainer: 60-120
     updates with a checkpoint every `save_steps`, the second half's peak RSS within 10 % of the first
-    half's (15-40 s each on 2 cores, mostly starting the process)."""
+    half's."""
     script = Path(__file__).parents[1] / "benchmarks" / "long_run_memory.py"
     args = ["--trainer", kind, "--updates", updates, "--save-steps", save_steps, "--out", tmp_path]
     proc = forked.run(script, args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)

@@ -7,7 +7,7 @@ RNG-state files ``Trainer`` writes per process) and check the refusal in one pro
 resumes a real 1-process RLOO checkpoint on 2 DDP ranks; the other direction (2 DDP, ZeRO-2 and ZeRO-3 ranks
 -> 1 process) resumes the checkpoints of tests/test_rloo_distributed.py's trained runs there (without the
 check, DDP resumes quietly with the RNG states not restored and other batches, and DeepSpeed fails later
-on its optimizer partitions). Wall times on 2 cores: ~20 s for the launching test, 1-3 s for the others.
+on its optimizer partitions).
 """
 
 from __future__ import annotations

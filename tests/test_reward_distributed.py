@@ -9,9 +9,6 @@ weights (ZeRO-3: gathered full tensors, not shards) and scores the held-out pair
 
 Every run calls ``evaluate()`` before ``train()`` (a baseline, as users do), which plain
 ``transformers.Trainer`` gets wrong on all three paths (see ``rlhf_trainers/compat.py``).
-
-Wall times on 2 cores: 1 process ~15 s, DDP ~26 s, ZeRO-2/ZeRO-3 ~35 s each (DeepSpeed's first start
-on a machine adds 45-90 s to compile its comm op, once).
 """
 
 from __future__ import annotations

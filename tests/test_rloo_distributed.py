@@ -20,13 +20,6 @@ the end, and must:
 The LoRA run checks the adapter-disabled reference: no second copy of the model, only adapter weights
 trained (identically on both ranks), and the reference log-probs after training equal the untouched
 model's.
-
-Wall times per launch on 2 cores shared with other work (load average 9-12; DeepSpeed's comm op already
-compiled): DDP 50-69 s, ZeRO-2 69-84 s, ZeRO-3 76-103 s, resumes 50-76 s, LoRA 57 s; 8.8 min for the
-file, against 11.8 min for tests/test_ppo_distributed.py under the same load (2.5-3.5 min with the
-machine to itself). Training itself takes 17 s (DDP), 27 s (ZeRO-2) and 45 s (ZeRO-3) of that; the rest
-is starting Python, importing transformers and evaluating. DeepSpeed's first start on a machine adds
-45-90 s to compile its comm op, once.
 """
 
 from __future__ import annotations

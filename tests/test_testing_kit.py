@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -63,9 +62,9 @@ print(json.dumps({"pid": os.getpid(), "builder_pid": kit.manifest["builder_pid"]
 """
 
 
-def test_fresh_builds_are_fast_complete_identical_and_built_once(tmp_path):
+def test_fresh_builds_are_complete_identical_and_built_once(tmp_path):
     # Two processes race for one folder (only one may build: the other waits, then loads) while
-    # this process builds another folder from scratch, timed.
+    # this process builds another folder from scratch.
     racers = [
         subprocess.Popen(
             [sys.executable, "-c", _CONCURRENT_BUILDER, str(tmp_path / "raced")],
@@ -75,12 +74,7 @@ def test_fresh_builds_are_fast_complete_identical_and_built_once(tmp_path):
         )
         for _ in range(2)
     ]
-    # The budget is on this process's CPU time (~15 s on an idle 2-core machine, one torch thread): its
-    # wall time also counts the two racers and the other test workers sharing the cores (31.5 s seen).
-    start = time.process_time()
     fresh = get_kit(tmp_path / "fresh")
-    seconds = time.process_time() - start
-    assert seconds < 30, f"building the kit took {seconds:.1f} s of CPU time"
     assert fresh.manifest["builder_pid"] == os.getpid()
 
     # complete: every folder loads with the plain Auto classes
@@ -138,12 +132,14 @@ def test_fingerprint_follows_the_sources_of_the_kit_content(tmp_path):
     assert fingerprint_after_editing("kit.py") == testing_kit._FINGERPRINT
 
 
-def test_second_get_kit_is_instant(kit):
-    start = time.perf_counter()
-    again = get_kit()
-    assert again is kit
+def test_second_get_kit_returns_the_loaded_kit_without_reading_the_folder(kit, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a second get_kit() read or built the folder again")
+
+    monkeypatch.setattr(testing_kit, "_read_manifest", fail)
+    monkeypatch.setattr(testing_kit, "_build_in_place", fail)
+    assert get_kit() is kit
     assert get_kit(kit.root) is kit
-    assert time.perf_counter() - start < 0.5
 
 
 def test_manifest(kit):

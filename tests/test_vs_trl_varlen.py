@@ -1,8 +1,11 @@
-"""benchmarks/vs_trl.py's variable-length mode (``--stop-at-eos``, issue #24) without models or TRL: the
-prompts it writes, the FLOPs of real tokens only, the rate over the measured updates, and its report."""
+"""benchmarks/vs_trl.py without models or TRL: the variable-length mode's prompts (``--stop-at-eos``), the
+FLOPs of real tokens only and the rate over the measured updates; that both sides of a comparison run the
+same job (models, prompts, settings) and the report's ratios are ours / TRL of the medians over repeats;
+and the runs it refuses because they cannot be matched."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -86,63 +89,149 @@ def test_the_rate_sums_the_measured_updates_real_tokens_over_their_seconds() -> 
     assert "policy" not in result["model_flops_per_update"]  # ours took its log-probs from sampling
 
 
-def test_the_report_states_the_variable_length_job() -> None:
-    notes = vs_trl.unmatched_notes(["ppo", "rloo"], fixed_length=False)
-    assert vs_trl.VARLEN_NOTE in notes
-    assert not any(n.startswith(vs_trl.FIXED_LENGTH_NOTES_START) for n in notes)
-    assert any(n.startswith("Fixed-length responses:") for n in vs_trl.unmatched_notes(["rloo"]))
-    results = [varlen_result("ours"), varlen_result("trl")]
-    for r in results:
-        vs_trl.add_flops(r, {"policy": SHAPE, "reward": SHAPE}, 1e6)
-        r.update(
-            episodes_per_sec=1.0,
-            tokens_per_sec=30.0,
-            peak_rss_mib=100.0,
-            rss_before_train_mib=50.0,
-            loadavg_start=(1.0, 1.0, 1.0),
-            loadavg_end=(1.0, 1.0, 1.0),
-            rss_after_imports_mib=10.0,
-            rss_after_loading_mib=20.0,
-            parameters_mib={"policy": 1.0},
-            gradients_mib=1.0,
-            optimizer_state_mib=2.0,
-            torch_threads=1,
+def _stub_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """vs_trl.main() without models, TRL or subprocesses: every worker returns a made-up result whose
+    rates depend on its side, algorithm and repeat; returns the specs the workers were given, in order."""
+    specs: list[dict[str, Any]] = []
+
+    def run_worker(python: str, spec: dict[str, Any], log_dir: Path, name: str) -> dict[str, Any]:
+        specs.append(json.loads(json.dumps(spec)))
+        impl, algo, rep = spec["impl"], spec["algo"], int(name.rsplit("-", 1)[1])
+        batch = spec["settings"]["batch"]
+        return {
+            "impl": impl,
+            "algo": algo,
+            "label": f"{impl} {algo.upper()}",
+            "versions": {"trl": "1.0", "vllm": "0.1"} if impl == "trl" else {"vllm": "0.1"},
+            "settings": spec["settings"],
+            "phases_median": {"policy": 0.1, "ref": 0.1, "total": 1.0},
+            "sequence_lengths": [[[10, 8]] * batch] * 3,
+            "update_seconds": [5.0, 1.0, 1.0],
+            "seconds_per_update_median": 1.0,
+            "tokens_per_update_median": 18.0 * batch,
+            "response_length_stats": {"mean": 8.0, "min": 8, "max": 8, "at_limit": 0.0, "prompt_mean": 10.0},
+            **RATES[(impl, algo, rep)],
+            "rss_before_train_mib": 50.0,
+            "rss_after_imports_mib": 10.0,
+            "rss_after_loading_mib": 20.0,
+            "parameters_mib": {"policy": 1.0},
+            "gradients_mib": 1.0,
+            "optimizer_state_mib": 2.0,
+            "loadavg_start": [1.0, 1.0, 1.0],
+            "loadavg_end": [1.0, 1.0, 1.0],
+            "torch_threads": 1,
+        }
+
+    def prepare(work: Path, sizes: list[str], gguf: str | None, counts: tuple[int, ...] = ()) -> dict:
+        folders = {s: {"policy": str(work / s / "policy"), "reward": str(work / s / "reward")} for s in sizes}
+        return {"prompts": str(work / "prompts.json"), **folders}
+
+    monkeypatch.setattr(vs_trl, "run_worker", run_worker)
+    monkeypatch.setattr(vs_trl, "prepare_in_subprocess", prepare)
+    monkeypatch.setattr(
+        vs_trl,
+        "interpreters",
+        lambda args: {(i, a): f"python-{i}" for i in ("ours", "trl") for a in vs_trl.ALGOS},
+    )
+    monkeypatch.setattr(
+        vs_trl,
+        "matmul_in_subprocess",
+        lambda sizes, repeats, threads=0, dtype="float32": {
+            "best_median_flops_per_s": 1e9,
+            "sizes": {str(n): {} for n in sizes},
+        },
+    )
+    monkeypatch.setattr(vs_trl, "model_shapes", lambda info: {"policy": SHAPE, "reward": SHAPE})
+    monkeypatch.setattr(vs_trl, "git_state", lambda: {"commit": "c"})
+    return specs
+
+
+#: Made-up (impl, algo, repeat) rates of the stub workers: medians over the two repeats are ours PPO
+#: 4.0 episodes/s, 40 tokens/s, 110 MiB; ours RLOO 8.0, 40, 90 MiB; TRL 2.0, 40, 200 MiB on both.
+RATES = {
+    **{
+        ("ours", algo, rep): {
+            "episodes_per_sec": eps,
+            "tokens_per_sec": [30.0, 50.0][rep],
+            "peak_rss_mib": {"ppo": 100.0, "rloo": 80.0, "grpo": 80.0}[algo] + 20.0 * rep,
+        }
+        for algo, (eps0, eps1) in {"ppo": (3.0, 5.0), "rloo": (6.0, 10.0), "grpo": (6.0, 10.0)}.items()
+        for rep, eps in enumerate((eps0, eps1))
+    },
+    **{
+        ("trl", algo, rep): {"episodes_per_sec": 2.0, "tokens_per_sec": 40.0, "peak_rss_mib": 200.0}
+        for algo in vs_trl.ALGOS
+        for rep in (0, 1)
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sizes", "135m", "--algos", "ppo,rloo", "--stop-at-eos"],
+        ["--sizes", "tiny", "--algos", "rloo,grpo", "--vllm"],
+    ],
+    ids=["stop-at-eos", "vllm"],
+)
+def test_both_sides_run_the_same_job_and_the_report_holds_the_ratios_of_the_medians(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    specs = _stub_runs(monkeypatch)
+    out, work = tmp_path / "out", tmp_path / "work"
+    common = ["--updates", "3", "--repeats", "2", "--batch", "8", "--rloo-k", "2", "--num-generations", "2"]
+    monkeypatch.setattr(
+        sys, "argv", ["vs_trl.py", *argv, *common, "--work-dir", str(work), "--out", str(out)]
+    )
+    vs_trl.main()
+
+    size, algos = argv[1], argv[3].split(",")
+    assert [(s["algo"], s["impl"]) for s in specs] == [
+        (algo, impl)
+        for algo in algos
+        for impl in ("ours", "trl", "trl", "ours")  # repeat 1: TRL first
+    ]
+    # each pair of runs: the same models, prompts and settings, only the side differs
+    for ours, trl in zip(specs[0::2], specs[1::2], strict=True):
+        assert {**ours, "impl": None} == {**trl, "impl": None}
+    settings = specs[0]["settings"]
+    assert all(s["settings"] == settings for s in specs)
+    given = {"batch": 8, "rloo_k": 2, "num_generations": 2, "updates": 3}
+    assert {key: settings[key] for key in given} == given
+    if "--stop-at-eos" in argv:
+        assert settings["fixed_length"] is False
+        # one prompt per prompt of an update: PPO's 8, RLOO's 8 / rloo_k
+        assert [s["prompts"] for s in specs[::4]] == [
+            str(vs_trl.varlen_prompt_file(work, "135m", 8)),
+            str(vs_trl.varlen_prompt_file(work, "135m", 4)),
+        ]
+    else:
+        assert settings["fixed_length"] is True and settings["use_vllm"] is True
+        assert all(s["prompts"] == str(work / "prompts.json") for s in specs)
+
+    report = json.loads((out / "vs_trl.json").read_text())
+    assert (out / "vs_trl.md").is_file()
+    assert report["settings"] == {k: v for k, v in settings.items() if k != "updates"}
+    assert report["updates"] == {size: 3} and report["trl_versions"] == ["1.0"]
+    assert len(report["results"]) == 4 * len(algos)
+    for r in report["results"]:
+        assert r["size"] == size and r["fraction_of_matmul_rate"] == pytest.approx(
+            r["model_flops_per_sec"] / 1e9
         )
-    report = {
-        "settings": {**results[0]["settings"], "mini_batches": 1, "rloo_k": 2},
-        "results": results,
-        "unmatched_settings": notes,
-        "ratios": vs_trl.ratios(results),
-        "settings_text": "settings",
+    expected = {
+        f"{size} {algo}": {
+            "episodes_per_sec_ours_over_trl": {"ppo": 4.0, "rloo": 8.0, "grpo": 8.0}[algo] / 2.0,
+            "tokens_per_sec_ours_over_trl": 1.0,
+            "peak_rss_ours_over_trl": {"ppo": 110.0, "rloo": 90.0, "grpo": 90.0}[algo] / 200.0,
+        }
+        for algo in algos
     }
-    text = "\n".join(vs_trl.table(report))
-    assert "| 135m | ours RLOO | 70 | 28.0 | 3 | 64 | 25 % | 11.0 |" in text
-    report.update(machine="m", torch="t", transformers="x", trl_versions=["1"], updates={"135m": 3})
-    report["matmul"] = {"sizes": {"1024": {}}}
-    assert "response_length 64 (at most; responses stop at EOS)" in vs_trl.settings_text(report)
-
-
-def test_a_vllm_report_describes_vllm_generation_on_both_sides_not_the_builtin_loop() -> None:
-    builtin = vs_trl.unmatched_notes(["rloo"], fixed_length=False)
-    notes = vs_trl.unmatched_notes(["rloo", "grpo"], fixed_length=False, vllm=True)
-    assert vs_trl.SAMPLER_NOTE in builtin and vs_trl.SAMPLER_NOTE not in notes
-    assert not any(n.startswith(vs_trl.BUILTIN_GENERATION_NOTES_START) for n in notes)
-    assert all(n in notes for n in vs_trl.VLLM_NOTES)
-    assert any("reload_weights" in n for n in notes)  # the one change on TRL's side is stated
-    assert any("bfloat16" in n for n in notes)  # and the engines' precisions
-    result = {**varlen_result(), "versions": {"vllm": "0.32.0"}, "torch_threads": 1}
-    result["model_flops_per_sec"], result["fraction_of_matmul_rate"] = 2.0, 0.5
-    report = {
-        "settings": {**result["settings"], "mini_batches": 1, "rloo_k": 2, "use_vllm": True},
-        "results": [result],
-        "machine": "m",
-        "torch": "t",
-        "transformers": "x",
-        "trl_versions": ["1"],
-        "updates": {"135m": 3},
-        "matmul": {"sizes": {"1024": {}}},
-    }
-    assert "generation: vLLM 0.32.0 colocated on both sides" in vs_trl.settings_text(report)
+    if "ppo" in algos and "rloo" in algos:
+        expected[f"{size} ours"] = {"rloo_peak_rss_over_ppo": 90.0 / 110.0}
+    assert report["ratios"].keys() == expected.keys()
+    for pair, values in expected.items():
+        assert report["ratios"][pair] == pytest.approx(values), pair
+    assert report["unmatched_settings"] and all(isinstance(n, str) for n in report["unmatched_settings"])
 
 
 @pytest.mark.parametrize(
