@@ -192,16 +192,16 @@ def _summary(text: str) -> str:
     return "\n\n".join(keep)
 
 
-def _include(names: tuple[str, ...], plots: bool = False) -> str:
+def _include(names: tuple[tuple[str, str], ...], plots: bool = False) -> str:
     """The heads of the markdown reports a benchmark wrote beside its JSON, for the files this page cites
     (:func:`_summary`), each with its PNG when ``plots`` and one was committed."""
     parts = []
-    for name in names:
+    for name, date in names:
         path = RESULTS / name
         if not path.is_file():
             parts.append(_missing(name))
             continue
-        text = f"From `benchmarks/results/{name}` (the whole report is in the file):\n\n"
+        text = f"From `benchmarks/results/{name}` ({date}; the whole report is in the file):\n\n"
         text += _summary(path.read_text(encoding="utf-8"))
         png = path.with_suffix(".png")
         if plots and png.is_file():
@@ -210,35 +210,30 @@ def _include(names: tuple[str, ...], plots: bool = False) -> str:
     return "\n\n".join(parts)
 
 
-#: The result files each generated table of docs/benchmarks.md shows, in order: the current figures.
-#: Earlier runs are in git history.
-CITED: dict[str, tuple[str, ...]] = {
-    "vs_trl": ("vs_trl_cpu_2threads_s6.md",),
+#: The result files each generated table of docs/benchmarks.md shows, in order, with the date of the run
+#: (the reports name the machine, not the day): the current figures. Earlier runs are in git history.
+CITED: dict[str, tuple[tuple[str, str], ...]] = {
+    "vs_trl": (
+        ("vs_trl_cpu_2threads_s6.md", "2026-11-25"),
+        ("issue20/vs_trl_cpu_2threads_tiny_s7_after.md", "2026-11-25"),
+    ),
     "vs_trl_varlen": (
-        "vs_trl_varlen_135m_ppo_s22_values_amd.md",
-        "vs_trl_varlen_135m_ppo_s22_values_confirm_amd.md",
-        "vs_trl_varlen_135m_rloo_s18_amd.md",
-        "vs_trl_varlen_135m.md",
-        "vs_trl_varlen_135m_ppo_bf16.md",
-        "vs_trl_varlen_135m_rloo_bf16.md",
+        ("vs_trl_varlen_135m_ppo_s22_values_confirm_amd.md", "2026-11-28"),
+        ("vs_trl_varlen_135m_rloo_s18_amd.md", "2026-11-27"),
+        ("vs_trl_varlen_135m.md", "2026-11-26"),
     ),
     "vs_trl_grpo": (
-        "vs_trl_grpo_cpu_1thread.md",
-        "vs_trl_grpo_varlen_135m.md",
-        "vs_trl_grpo_varlen_135m_s20_amd.md",
+        ("vs_trl_grpo_cpu_1thread.md", "2026-11-26"),
+        ("vs_trl_grpo_varlen_135m.md", "2026-11-26"),
+        ("vs_trl_grpo_varlen_135m_s20_amd.md", "2026-11-28"),
     ),
     "vs_trl_vllm": (
-        "vs_trl_vllm_varlen_135m_rloo_s19.md",
-        "vs_trl_vllm_varlen_135m_rloo_bf16engine_s19.md",
+        ("vs_trl_vllm_varlen_135m_rloo_s19.md", "2026-11-27"),
+        ("vs_trl_vllm_varlen_135m_rloo_bf16engine_s19.md", "2026-11-27"),
     ),
-    "learning_vs_trl": (
-        "learning_vs_trl.md",
-        "learning_vs_trl_seeds345.md",
-        "learning_vs_trl_rloo_model_text.md",
-        "learning_vs_trl_rloo_true_reward.md",
-    ),
-    "learning_vs_trl_grpo": ("learning_vs_trl_grpo.md", "learning_vs_trl_grpo_model_text.md"),
-    "learning_vs_trl_real": ("learning_vs_trl_real.md", "learning_vs_trl_real_ppo.md"),
+    "learning_vs_trl": (("learning_vs_trl.md", "2026-11-25"), ("learning_vs_trl_seeds345.md", "2026-11-25")),
+    "learning_vs_trl_grpo": (("learning_vs_trl_grpo.md", "2026-11-26"),),
+    "learning_vs_trl_real": (("learning_vs_trl_real.md", "2026-11-25"),),
 }
 
 
