@@ -475,9 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, draw in PLOTS.items():
             if draw(plt, IMG / name):
                 print(f"wrote {IMG / name}")
-        for png in sorted(RESULTS.glob("learning_vs_trl*.png")):
-            shutil.copyfile(png, IMG / png.name)
-            print(f"copied {png.name} to {IMG}")
+        for name, _date in (x for key in CITED if key.startswith("learning") for x in CITED[key]):
+            png = (RESULTS / name).with_suffix(".png")
+            if png.is_file():  # the learning curves the page shows
+                shutil.copyfile(png, IMG / png.name)
+                print(f"copied {png.name} to {IMG}")
     return 0
 
 
