@@ -1,8 +1,9 @@
 """The tables and plots of docs/benchmarks.md, made from the committed results in benchmarks/results/.
 
 Each generated table of docs/benchmarks.md sits between ``<!-- bench:NAME:start -->`` and
-``<!-- bench:NAME:end -->``; this script rewrites them from the JSON (or, for the TRL comparison, the
-markdown table that benchmark writes beside its JSON), and draws docs/img/*.png with matplotlib (Agg).
+``<!-- bench:NAME:end -->``; this script rewrites them from the JSON (or, for the TRL comparisons, the
+head of the markdown report that benchmark writes beside its JSON, for the files listed in ``CITED``), and
+draws docs/img/*.png with matplotlib (Agg).
 A benchmark whose result file is not there yet gets a line saying so instead of a table.
 
     python benchmarks/plot_results.py              # rewrite the tables and draw the plots
@@ -178,59 +179,93 @@ def table_onpolicy_memory() -> str:
     return "\n\n".join(parts) if parts else _missing("onpolicy_memory_*.json")
 
 
-def _include(pattern: str, exclude: str | tuple[str, ...] | None = None) -> str:
-    """The markdown tables a benchmark wrote beside its JSON (one per tag), verbatim; files whose name
-    starts with ``exclude`` (or one of them) belong to another benchmark."""
-    files = [f for f in sorted(RESULTS.glob(pattern)) if not (exclude and f.name.startswith(exclude))]
-    if not files:
-        return _missing(pattern)
-    return "\n\n".join(
-        f"From `benchmarks/results/{f.name}`:\n\n{f.read_text(encoding='utf-8').strip()}" for f in files
-    )
+def _summary(text: str) -> str:
+    """The head of a benchmark's markdown report: its first paragraph (machine, versions, settings), its
+    first table, the bullet list right after that table (learning reports: gains, ours - TRL) and the
+    ratio table (``| pair | ratio | value |``). The rest (per-phase seconds, memory, the settings that
+    differ between the sides) stays in the file."""
+    blocks = [b.strip() for b in re.split(r"\n\s*\n", text.strip()) if b.strip()]
+    keep = blocks[:2]
+    if len(blocks) > 2 and blocks[2].startswith("- "):
+        keep.append(blocks[2])
+    keep += [b for b in blocks[2:] if b.startswith("| pair |")]
+    return "\n\n".join(keep)
+
+
+def _include(names: tuple[tuple[str, str], ...], plots: bool = False) -> str:
+    """The heads of the markdown reports a benchmark wrote beside its JSON, for the files this page cites
+    (:func:`_summary`), each with its PNG when ``plots`` and one was committed."""
+    parts = []
+    for name, date in names:
+        path = RESULTS / name
+        if not path.is_file():
+            parts.append(_missing(name))
+            continue
+        text = f"From `benchmarks/results/{name}` ({date}; the whole report is in the file):\n\n"
+        text += _summary(path.read_text(encoding="utf-8"))
+        png = path.with_suffix(".png")
+        if plots and png.is_file():
+            text += f"\n\n![{png.stem}](img/{png.name})"
+        parts.append(text)
+    return "\n\n".join(parts)
+
+
+#: The result files each generated table of docs/benchmarks.md shows, in order, with the date of the run
+#: (the reports name the machine, not the day): the current figures. Earlier runs are in git history.
+CITED: dict[str, tuple[tuple[str, str], ...]] = {
+    "vs_trl": (
+        ("vs_trl_cpu_2threads_s6.md", "2026-11-25"),
+        ("issue20/vs_trl_cpu_2threads_tiny_s7_after.md", "2026-11-25"),
+    ),
+    "vs_trl_varlen": (
+        ("vs_trl_varlen_135m_ppo_s22_values_confirm_amd.md", "2026-11-28"),
+        ("vs_trl_varlen_135m_rloo_s18_amd.md", "2026-11-27"),
+        ("vs_trl_varlen_135m.md", "2026-11-26"),
+    ),
+    "vs_trl_grpo": (
+        ("vs_trl_grpo_cpu_1thread.md", "2026-11-26"),
+        ("vs_trl_grpo_varlen_135m.md", "2026-11-26"),
+        ("vs_trl_grpo_varlen_135m_s20_amd.md", "2026-11-28"),
+    ),
+    "vs_trl_vllm": (
+        ("vs_trl_vllm_varlen_135m_rloo_s19.md", "2026-11-27"),
+        ("vs_trl_vllm_varlen_135m_rloo_bf16engine_s19.md", "2026-11-27"),
+    ),
+    "learning_vs_trl": (("learning_vs_trl.md", "2026-11-25"), ("learning_vs_trl_seeds345.md", "2026-11-25")),
+    "learning_vs_trl_grpo": (("learning_vs_trl_grpo.md", "2026-11-26"),),
+    "learning_vs_trl_real": (("learning_vs_trl_real.md", "2026-11-25"),),
+}
 
 
 def table_vs_trl() -> str:
-    return _include("vs_trl*.md", exclude=("vs_trl_grpo", "vs_trl_varlen", "vs_trl_vllm"))
+    """PPO and RLOO against TRL on fixed-length jobs (``vs_trl.py``, issue #7)."""
+    return _include(CITED["vs_trl"])
 
 
 def table_vs_trl_vllm() -> str:
     """RLOO against the newest TRL's with both on colocated vLLM (``vs_trl.py --vllm``, issue #22)."""
-    return _include("vs_trl_vllm*.md")
+    return _include(CITED["vs_trl_vllm"])
 
 
 def table_vs_trl_grpo() -> str:
-    return _include("vs_trl_grpo*.md")
+    return _include(CITED["vs_trl_grpo"])
 
 
 def table_vs_trl_varlen() -> str:
     """The variable-length job against TRL (``vs_trl.py --stop-at-eos``, issue #24)."""
-    return _include("vs_trl_varlen*.md")
-
-
-#: learning_vs_trl*.md files that other sections of the page show.
-_OTHER_LEARNING = ("learning_vs_trl_real", "learning_vs_trl_grpo")
+    return _include(CITED["vs_trl_varlen"])
 
 
 def table_learning_vs_trl() -> str:
-    text = _include("learning_vs_trl*.md", exclude=_OTHER_LEARNING)
-    for png in sorted(RESULTS.glob("learning_vs_trl*.png")):
-        if not png.name.startswith(_OTHER_LEARNING):
-            text += f"\n\n![{png.stem}](img/{png.name})"
-    return text
+    return _include(CITED["learning_vs_trl"], plots=True)
 
 
 def table_learning_vs_trl_grpo() -> str:
-    text = _include("learning_vs_trl_grpo*.md")
-    for png in sorted(RESULTS.glob("learning_vs_trl_grpo*.png")):
-        text += f"\n\n![{png.stem}](img/{png.name})"
-    return text
+    return _include(CITED["learning_vs_trl_grpo"], plots=True)
 
 
 def table_learning_vs_trl_real() -> str:
-    text = _include("learning_vs_trl_real*.md")
-    for png in sorted(RESULTS.glob("learning_vs_trl_real*.png")):
-        text += f"\n\n![{png.stem}](img/{png.name})"
-    return text
+    return _include(CITED["learning_vs_trl_real"], plots=True)
 
 
 #: How the long-run tables and plot name each trainer.
@@ -440,9 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, draw in PLOTS.items():
             if draw(plt, IMG / name):
                 print(f"wrote {IMG / name}")
-        for png in sorted(RESULTS.glob("learning_vs_trl*.png")):
-            shutil.copyfile(png, IMG / png.name)
-            print(f"copied {png.name} to {IMG}")
+        for name, _date in (x for key in CITED if key.startswith("learning") for x in CITED[key]):
+            png = (RESULTS / name).with_suffix(".png")
+            if png.is_file():  # the learning curves the page shows
+                shutil.copyfile(png, IMG / png.name)
+                print(f"copied {png.name} to {IMG}")
     return 0
 
 
