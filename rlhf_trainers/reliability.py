@@ -91,21 +91,6 @@ class ReliabilityArguments:
         },
     )
 
-    reuse_host_memory: bool = field(
-        default=False,
-        metadata={
-            "help": "Opt-in, CPU under Linux with glibc only: keep memory that freed tensors give back inside the "
-            "process for the next allocation (glibc mallopt: no mmap for large blocks, no trimming of the heap) "
-            "instead of returning it to the system and page-faulting it in again. Training frees and "
-            "re-allocates the same large tensors (embedding gradients, logits, activations) every micro-batch; "
-            "with glibc's defaults each one is a fresh mapping whose pages fault in one by one. Measured: a "
-            "135M-parameter PPO update on 2 CPU threads 25.6 -> 20.5 s (5.1M -> 1.5M page faults, peak RSS "
-            "6470 -> 6215 MiB). Off by default because it changes the whole process, permanently (glibc has no "
-            "undo): resident memory then stays near its high-water mark after train() instead of shrinking "
-            "when tensors are freed. Not applied on GPU or with another allocator."
-        },
-    )
-
     def _check_switches(self) -> None:
         """This package's on/off fields hold True or False: from Python, a string such as "false" would
         otherwise count as on (the command line's parser turns such strings into booleans first)."""

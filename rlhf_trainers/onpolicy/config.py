@@ -169,23 +169,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "ds3_gather_for_generation always uses generate(synced_gpus=True)."
         },
     )
-    lean_decoding: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups). With generation_loop='builtin', run the "
-            "decoding steps of a transformers LlamaForCausalLM "
-            "(Llama, SmolLM and their fine-tunes, also under a PEFT adapter) through its own modules, called "
-            "directly with a KV cache preallocated for the response, instead of its forward: the same "
-            "arithmetic (logits equal to float32 rounding) without the per-step work around it (mask "
-            "building, cache objects, output classes), which is most of a decoding step for small models "
-            "(the offline kit's 2-layer Llama: 32 tokens in 33 instead of 59 ms on 2 CPU cores; re-measured "
-            "after issue #20 with benchmarks/vs_trl.py --ours-config: a tiny RLOO update's generation 0.04 "
-            "instead of 0.065 s, the update 0.10 instead of 0.13 s; no change for SmolLM2-135M on CPU, where "
-            "the matmuls dominate). Other architectures, subclasses, models "
-            "with forward hooks or a replaced forward, device maps and DeepSpeed-partitioned weights use the "
-            "forward at every step. False: the forward at every step."
-        },
-    )
     rollout_logprobs: str = field(
         default="auto",
         metadata={
@@ -470,85 +453,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "fused lm head's backward pass takes tiles of as many logits in more rows (512 at the default)."
         },
     )
-    mkl_prepacked_decoding: bool | None = field(
-        default=None,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups), for the lean decoding steps "
-            "(lean_decoding): at the start of each sampling call, pack the policy's float32 linear weights "
-            "(lm head included) once for MKL's GEMM at the call's batch size, so that the decoding steps "
-            "(one position per row) read the packed weights instead of MKL re-packing every weight at every "
-            "step. Results equal those of F.linear (the same float32 arithmetic; draws, log-probs and "
-            "entropies were identical bit for bit on SmolLM2-135M). Costs resident memory while sampling, freed "
-            "after the call: MKL's packed form is larger than the weights (SmolLM2-135M's 513 MiB of float32 "
-            "linear weights packed for 16 rows: +1016 MiB resident at the first call, in tensors reserving "
-            "2.6 GB). Measured on the 2-core "
-            "Intel Xeon, SmolLM2-135M, 16 rows x 64 tokens: 10.8 -> 9.3 s. Applied where MKL's packed GEMM is "
-            "in the torch build (x86 wheels; checked once), on CPU, float32 weights, no bf16/fp16 autocast, "
-            "no DeepSpeed, onednn_linear off. None (default): on where the CPU is Intel's (vendor_id "
-            "GenuineIntel), off elsewhere: on the AMD EPYC (Zen 4) it gained nothing (a 16-row step's "
-            "linear products: 99.2 ms prepacked, 97.1 ms without) and raised a 135M GRPO run's peak memory "
-            "by ~900 MiB. True: wherever it applies. False: MKL packs the weights at every step (PyTorch's "
-            "default). On the command line: --mkl_prepacked_decoding true|false."
-        },
-    )
-    merged_adapter_decoding: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups), for the lean decoding steps "
-            "(lean_decoding) of a policy with PEFT LoRA layers: at the start of each sampling call, merge each "
-            "LoRA layer's adapters into a copy of its weight (PEFT's merge arithmetic, DoRA included; the "
-            "model itself stays unmerged), so that every decoding step runs one product per layer instead of "
-            "the adapter's three; the copies are packed for MKL with mkl_prepacked_decoding, and cast once to "
-            "bf16/fp16 under autocast. The prompt pass and every training and scoring pass keep the adapter's "
-            "own forward. Float32 results equal the adapter's to rounding (SmolLM2-135M + LoRA r 16 on every "
-            "linear layer, 32 x 32 tokens: the same draws, log-probs within 4e-5). Costs a copy of the "
-            "adapted weights while sampling (freed after the call). Measured on the 2-core Intel Xeon, one "
-            "thread, that job (benchmarks/lora_decoding.py): 12.2 -> 9.8 s per sampling call in float32, 8.8 -> 7.6 s "
-            "in bf16. Applied on "
-            "CPU without DeepSpeed, to PEFT's LoRA Linear layers over a plain nn.Linear, in eval mode, "
-            "without hooks; an adapter PEFT cannot merge (aLoRA) keeps its forward. False: the adapter's "
-            "forward at every step."
-        },
-    )
-    onednn_linear: bool = field(
-        default=False,
-        metadata={
-            "help": "Opt-in CPU speed switch, for CPUs where it measures faster. On CPU, run the linear layers of the sampling loop's decoding steps (one position per "
-            "row) through oneDNN (rlhf_trainers.cpu_speedups.OneDNNLinear) instead of the BLAS PyTorch uses by "
-            "default (MKL on x86): the same IEEE float32 arithmetic, results equal up to summation-order "
-            "rounding, no weight copied. On the 2-core AMD EPYC of our benchmarks a 32-token rollout of "
-            "SmolLM2-135M took 2.5 instead of 3.6 s (the lm head of a step: 8 instead of 37 ms); on the 2-core Intel "
-            "Xeon that re-measured it after issue #20 (benchmarks/vs_trl.py --impls ours --ours-config, 135M RLOO) "
-            "generation took 3.9 instead of 3.2 s per update, so it is off by default. Not used "
-            "for the training and scoring passes: oneDNN keeps generated code for every matrix shape "
-            "(~0.5 MiB each), and their row counts vary with every micro-batch. Applied only where it pays "
-            "and is safe: CPU, float32 weights, no bf16/fp16 autocast, no DeepSpeed, a torch build with "
-            "oneDNN (checked once), and a policy whose largest linear layer has at least "
-            "onednn_linear_min_weights weights. False: PyTorch's default everywhere."
-        },
-    )
-    onednn_linear_min_weights: int = field(
-        default=65536,
-        metadata={
-            "help": "onednn_linear applies when the policy's largest linear layer has at least this many "
-            "weights (out x in features). Tiny models are bound by per-operation overhead, which the "
-            "dispatch adds to, not by matmul speed. 0: any size."
-        },
-    )
-    inverse_cdf_sampling: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups). With generation_loop='builtin' on CPU, "
-            "draw each step's tokens by inverting each row's cumulative distribution (one uniform variate "
-            "per row and a float64 running sum; rlhf_trainers.generation.draw_inverse_cdf) instead of "
-            "torch.multinomial, which on CPU draws one exponential variate per vocabulary entry: 16 rows x "
-            "49,152 entries (SmolLM2) 1.4-2.1 instead of 22-32 ms per decoding step on one thread, ~1.5 s of a "
-            "64-token PPO rollout. The same distribution (each token with its probability, never one that "
-            "top_k/top_p/min_p exclude), other draws for a seed: the builtin loop then no longer "
-            "reproduces generate(do_sample=True)'s tokens for the same seed. False: torch.multinomial, "
-            "generate's draws."
-        },
-    )
     fused_lm_head: bool = field(
         default=True,
         metadata={
@@ -696,11 +600,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"fused_lm_head_kept_logits_mib={value!r}: expected an integer >= 0 (MiB; 0: the fused lm "
                 "head always rebuilds the logits in its backward pass)."
-            )
-        value = self.onednn_linear_min_weights
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"onednn_linear_min_weights={value!r}: expected an integer >= 0 (0: oneDNN for every size)."
             )
         if self.num_sample_generations < 0 or self.truncate_after < 0:
             raise ValueError(

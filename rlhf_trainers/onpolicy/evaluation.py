@@ -95,7 +95,12 @@ class EvaluationMixin:
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         samples_table: list[dict[str, Any]] = []
-        with torch.random.fork_rng(devices=devices), self.accelerator.autocast(), self._compiled_passes():
+        with (
+            torch.random.fork_rng(devices=devices),
+            self.accelerator.autocast(),
+            self._compiled_passes(),
+            self._prepared_weights_kept(),  # sampled many times on the same weights: prepared once
+        ):
             torch.manual_seed(self.args.seed + 7 + rank * RANK_SEED_STRIDE)
             step = self.args.local_rollout_forward_batch_size
             for start in range(0, len(indices), step):

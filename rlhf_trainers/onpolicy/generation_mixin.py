@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import compat
+from ..cpu import decoding_speedups, keep_prepared_weights
 from ..distributed import generation_context
 from ..generation import GenerationError, SamplingSettings, check_samples, make_generation_backend
 
@@ -23,18 +24,35 @@ class OnPolicyGenerationMixin:
 
     def _build_generation_backend(self) -> None:
         """Choose the generation backend once (named in :meth:`batch_accounting`)."""
+        args = self.args
+        # What the backend may sample with on CPU (rlhf_trainers.cpu, per self.cpu_options): decided here,
+        # so that rlhf_trainers.generation never imports the CPU switches. vLLM takes none of them.
+        speedups = None
+        if not args.use_vllm:
+            speedups = decoding_speedups(
+                self.policy,
+                self.cpu_options,
+                device=self.accelerator.device,
+                deepspeed=self.is_deepspeed_enabled,
+                half_precision=bool(args.bf16 or args.fp16),
+            )
         #: The generation backend (rlhf_trainers.generation), chosen once; named in batch_accounting().
         self.generation_backend = make_generation_backend(
             self.policy,
-            self.args,
-            device=self.accelerator.device,
-            deepspeed=self.is_deepspeed_enabled,
+            args,
+            speedups=speedups,
             synced_ranks=self._synced_generation(),
             context=self._generation_context,
             weights_version=self._policy_weights_version,
             process_index=self.accelerator.process_index,
-            longest_sequence=self._longest_prompt() + self.args.response_length,
+            longest_sequence=self._longest_prompt() + args.response_length,
         )
+
+    def _prepared_weights_kept(self) -> contextlib.AbstractContextManager[Any]:
+        """Inside this context, what the CPU decoding steps derive from the policy's weights alone (merged
+        LoRA copies, MKL-packed weights) is made once per weight version and shared by every sampling call
+        (:func:`rlhf_trainers.cpu.keep_prepared_weights`); evaluation enters it."""
+        return keep_prepared_weights()
 
     def _longest_prompt(self) -> int:
         """Tokens of the longest tokenized prompt (train and eval datasets, after truncation)."""
