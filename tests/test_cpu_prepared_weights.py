@@ -133,3 +133,19 @@ def test_evaluate_prepares_the_weights_once_per_weight_version(kit, tmp_path, bu
     builds["packed"] = 0
     assert trainer.evaluate() == kept
     assert builds["packed"] == 3 * packed_once
+
+
+def test_a_nested_context_shares_the_outer_ones_copies(kit, prompts, builds):
+    if not cpu_lean.mkl_prepacked_linear_available():
+        pytest.skip("this torch build has no MKL packed GEMM")
+    backend = BuiltinSampling(_lora_policy(kit), fast_steps=lean_llama_steps_prepacked_merged)
+    tok, ids, mask = prompts
+    settings = SamplingSettings(max_new_tokens=4, pad_token_id=tok.pad_token_id)
+    with keep_prepared_weights():
+        backend.sample(ids, mask, settings)
+        first = dict(builds)
+        with keep_prepared_weights():
+            backend.sample(ids, mask, settings)
+        assert len(cpu_lean._KEPT) == 1
+        backend.sample(ids, mask, settings)
+    assert builds == first and not cpu_lean._KEPT

@@ -419,8 +419,12 @@ _KEPT: list[list[PreparedWeights | None]] = []
 def keep_prepared_weights() -> Iterator[None]:
     """Inside this context, the lean steps' prepared weights (:class:`PreparedWeights`) are made once per
     weight version (and batch size) and reused by every sampling call; they are freed on exit. Outside it,
-    every sampling call makes its own. The trainers enter it around ``evaluate()``: several sampling calls
-    on the same weights, where training changes them between two rollouts."""
+    every sampling call makes its own. The trainers enter it around ``evaluate()`` (several sampling calls on
+    the same weights; training changes them between two rollouts and holds no copies meanwhile).
+    Re-entrant: inside another such context it shares that one's copies."""
+    if _KEPT:
+        yield
+        return
     _KEPT.append([None])
     try:
         yield
