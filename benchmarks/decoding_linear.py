@@ -69,7 +69,7 @@ def measure(rows: int, rounds: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from rlhf_trainers.cpu_speedups import mkl_prepacked_linear_available, onednn_linear_available
+    from rlhf_trainers.cpu import mkl_prepacked_linear_available, onednn_linear_available
 
     generator = torch.Generator().manual_seed(0)
     weights = [

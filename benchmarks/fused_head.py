@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not args.glibc_defaults:
-        from rlhf_trainers.cpu_speedups import reuse_freed_host_memory
+        from rlhf_trainers.cpu import reuse_freed_host_memory
 
         reuse_freed_host_memory()
     torch.manual_seed(0)

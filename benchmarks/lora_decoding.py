@@ -5,7 +5,7 @@ call, the same draws, log-prob differences, on SmolLM2-135M-Instruct with LoRA o
 Both ways run the lean Llama decoding steps in this process, alternating, from the same seed and prompts;
 in float32 both multiply by MKL-prepacked weights (``mkl_prepacked_decoding``: the plain layers, and with
 merging the LoRA layers' merged copies), in bf16 both run under CPU autocast with the frozen weights cast
-once per call (:class:`~rlhf_trainers.cpu_speedups.AutocastWeightCache`), as the trainers sample. The
+once per call (:class:`~rlhf_trainers.cpu.AutocastWeightCache`), as the trainers sample. The
 adapter is randomly initialised (``init_lora_weights=False``) so that merging changes the weights.
 
     python benchmarks/lora_decoding.py --dtype float32 --threads 1
@@ -46,7 +46,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rlhf_trainers import cpu_speedups
+    from rlhf_trainers import cpu as cpu_switches
     from rlhf_trainers.generation.base import SamplingSettings
     from rlhf_trainers.generation.builtin import sample_with_kv_cache
     from rlhf_trainers.testing.smollm2 import load_smollm2_tokenizer, smollm2_folder
@@ -69,17 +69,17 @@ def main() -> None:
     )
     if args.dtype == "float32":
         ways = {
-            "adapter": cpu_speedups.lean_llama_steps_prepacked,
-            "merged": cpu_speedups.lean_llama_steps_prepacked_merged,
+            "adapter": cpu_switches.lean_llama_steps_prepacked,
+            "merged": cpu_switches.lean_llama_steps_prepacked_merged,
         }
     else:
-        ways = {"adapter": cpu_speedups.lean_llama_steps, "merged": cpu_speedups.lean_llama_steps_merged}
+        ways = {"adapter": cpu_switches.lean_llama_steps, "merged": cpu_switches.lean_llama_steps_merged}
 
     def context() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         if args.dtype == "bfloat16":
             stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
-            stack.enter_context(cpu_speedups.AutocastWeightCache())
+            stack.enter_context(cpu_switches.AutocastWeightCache())
         return stack
 
     seconds: dict[str, list[float]] = {name: [] for name in ways}

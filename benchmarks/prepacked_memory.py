@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.reuse_host_memory:
-        from rlhf_trainers.cpu_speedups import reuse_freed_host_memory
+        from rlhf_trainers.cpu import reuse_freed_host_memory
 
         reuse_freed_host_memory()
     from transformers import AutoModelForCausalLM

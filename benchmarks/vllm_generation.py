@@ -68,7 +68,7 @@ def worker(
     import torch
     from peft import LoraConfig
 
-    from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+    from rlhf_trainers import CPUOptions, PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
     from rlhf_trainers.rlvr import reward_function, task_dataset
     from rlhf_trainers.testing.smollm2 import load_smollm2_tokenizer, smollm2_folder
 
@@ -99,7 +99,6 @@ def worker(
         "disable_tqdm": True,
         "use_vllm": backend.startswith("vllm"),
         "rollout_logprobs": "generation" if backend == "vllm-old" else "auto",
-        "merged_adapter_decoding": backend != "builtin-adapter",
         "local_rollout_forward_batch_size": completions,
         "bf16": bf16,
     }
@@ -113,6 +112,7 @@ def worker(
         processing_class=load_smollm2_tokenizer(),
         args=config,
         reward_funcs=[reward_function("word_count")],
+        cpu_options=CPUOptions(merged_adapter_decoding=backend != "builtin-adapter"),
         train_dataset=task_dataset("word_count", "train"),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
     )

@@ -38,6 +38,7 @@ held-out score of sampled completions on the test rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -360,7 +361,15 @@ def build_trainer(
         common.update(s.get("trl_config") or {})
     if impl == "ours":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from rlhf_trainers import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+        from rlhf_trainers import (
+            CPUOptions,
+            GRPOConfig,
+            GRPOTrainer,
+            PPOConfig,
+            PPOTrainer,
+            RLOOConfig,
+            RLOOTrainer,
+        )
 
         ours = dict(
             common,
@@ -374,9 +383,9 @@ def build_trainer(
             local_rollout_forward_batch_size=B,
             eval_strategy="no",
             num_sample_generations=0,
-            # Opt-in since it changes glibc's malloc for the whole process; the published runs used it.
-            reuse_host_memory=True,
         )
+        # Opt-in since it changes glibc's malloc for the whole process; the published runs used it.
+        switches: dict[str, Any] = {"reuse_host_memory": True}
         if algo == "grpo":
             # TRL's names (GRPOConfig maps them onto the engine's): a generation of B completions is
             # steps_per_generation = M micro-batches of B / M, one optimizer step each, for num_iterations
@@ -396,6 +405,10 @@ def build_trainer(
             ours.update(use_vllm=True, vllm_kv_cache_space_gib=s["vllm_kv_cache_gib"])
         # vs_trl.py --ours-config: our config fields to set on top (e.g. an A/B of one option).
         ours.update(s.get("ours_config") or {})
+        # ... where the CPU speed switches among them go to the trainer's cpu_options.
+        cpu_fields = {f.name for f in dataclasses.fields(CPUOptions)}
+        switches.update({name: ours.pop(name) for name in list(ours) if name in cpu_fields})
+        cpu_options = CPUOptions(**switches)
         dataset = prompt_dataset(train_prompts)
         holder: dict[str, Any] = {}
 
@@ -416,6 +429,7 @@ def build_trainer(
                 args=GRPOConfig(**ours),
                 train_dataset=dataset,
                 callbacks=[callback],
+                cpu_options=cpu_options,
             )
             holder["trainer"] = trainer
             return trainer, 1, rows
@@ -434,6 +448,7 @@ def build_trainer(
                 args=PPOConfig(**ours),
                 train_dataset=dataset,
                 callbacks=[callback],
+                cpu_options=cpu_options,
             )
         else:
             trainer = RLOOTrainer(
@@ -449,6 +464,7 @@ def build_trainer(
                 args=RLOOConfig(rloo_k=s["rloo_k"], **ours),
                 train_dataset=dataset,
                 callbacks=[callback],
+                cpu_options=cpu_options,
             )
         holder["trainer"] = trainer
         return trainer, 1, rows

@@ -1,4 +1,4 @@
-"""Write the field tables of docs/ppo.md and docs/grpo.md from the config dataclasses' metadata.
+"""Write the field tables of docs/ppo.md, docs/grpo.md and docs/cpu.md from the dataclasses' metadata.
 
     python docs/config_tables.py           # rewrite the tables between the markers
     python docs/config_tables.py --check   # exit 1 if a page is out of date
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import TrainingArguments
 
-from rlhf_trainers import GRPOConfig, OnPolicyConfig, PPOConfig
+from rlhf_trainers import CPUOptions, GRPOConfig, OnPolicyConfig, PPOConfig
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,12 +38,12 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _own_fields(cls: type, parent: type) -> list[dataclasses.Field]:
-    inherited = {f.name for f in dataclasses.fields(parent)}
+def _own_fields(cls: type, parent: type | None) -> list[dataclasses.Field]:
+    inherited = {f.name for f in dataclasses.fields(parent)} if parent is not None else set()
     return [f for f in dataclasses.fields(cls) if f.name not in inherited]
 
 
-def table(cls: type, parent: type) -> str:
+def table(cls: type, parent: type | None = None) -> str:
     rows = ["| field | default | meaning |", "|---|---|---|"]
     for f in _own_fields(cls, parent):
         rows.append(f"| `{f.name}` | {_fmt(_default(f))} | {_cell(f.metadata.get('help', ''))} |")
@@ -73,6 +73,7 @@ def pages() -> dict[Path, dict[str, str]]:
             "ppo-fields": table(PPOConfig, OnPolicyConfig),
         },
         HERE / "grpo.md": {"grpo-fields": table(GRPOConfig, OnPolicyConfig)},
+        HERE / "cpu.md": {"cpu-fields": table(CPUOptions)},
     }
 
 

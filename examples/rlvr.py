@@ -165,9 +165,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from rlhf_trainers import RLOOConfig as Config
         from rlhf_trainers import RLOOTrainer as Trainer
 
+    from rlhf_trainers import CPUOptions
+
     wants_help = "-h" in argv or "--help" in argv
-    args, lora, config = parse_args(
-        (RLVRArguments, LoraArguments, Config),
+    args, lora, config, cpu_options = parse_args(
+        (RLVRArguments, LoraArguments, Config, CPUOptions),
         argv if wants_help else _with_defaults(argv, known.trainer, known.task),
         prog="examples/rlvr.py",
         description=__doc__.split("\n\n")[0],
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         train_dataset=task_dataset(args.task, "train"),
         eval_dataset=task_dataset(args.task, "test", args.num_eval_prompts),
         peft_config=lora.peft_config("CAUSAL_LM"),
+        cpu_options=cpu_options,
     )
     start = time.perf_counter()
     # Trainer.train() starts a new log history: keep the evaluation before training aside.

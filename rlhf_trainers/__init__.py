@@ -31,6 +31,7 @@ from .optim import TFStyleAdam
 # ``import rlhf_trainers`` does not import transformers.
 _LAZY: dict[str, str] = {
     "testing": "rlhf_trainers.testing",
+    "CPUOptions": "rlhf_trainers.cpu",
     "OnPolicyConfig": "rlhf_trainers.onpolicy",
     "OnPolicyTrainer": "rlhf_trainers.onpolicy",
     "GRPOConfig": "rlhf_trainers.grpo",
@@ -45,6 +46,7 @@ _LAZY: dict[str, str] = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import testing
+    from .cpu import CPUOptions
     from .grpo import GRPOConfig, GRPOTrainer
     from .onpolicy import OnPolicyConfig, OnPolicyTrainer
     from .ppo import PPOConfig, PPOTrainer
@@ -63,6 +65,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AdaptiveKLController",
+    "CPUOptions",
     "FixedKLController",
     "GRPOConfig",
     "GRPOTrainer",

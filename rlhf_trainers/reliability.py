@@ -71,39 +71,19 @@ class ReliabilityArguments:
     save_on_interrupt: bool = field(
         default=True,
         metadata={
-            "help": "On SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) during train(): finish the current "
-            "step, write a checkpoint, and return from train() cleanly; train(resume_from_checkpoint=True) "
-            "continues from it. A second signal stops at once. False keeps Python's default behaviour. Also: "
-            "when the generation backend fails mid-run (e.g. the vLLM engine dies or drops requests), a "
-            "single-process run writes a checkpoint of the last complete update before the error is raised."
+            "help": "On SIGTERM or SIGINT during train() (a scheduler's preemption, Ctrl-C): finish the current step, "
+            "write a checkpoint and return cleanly; train(resume_from_checkpoint=True) continues from it. A "
+            "second signal stops at once. When the generation backend fails mid-run, a single-process run "
+            "also saves the last complete update. False: Python's default behaviour."
         },
     )
     max_nonfinite_steps: int = field(
         default=3,
         metadata={
             "help": "An optimizer step whose gradients hold NaN or inf is skipped (weights and optimizer state "
-            "untouched) and counted in train/nonfinite_steps_skipped; at most this many consecutive steps are "
-            "skipped, the next non-finite one stops training with an error naming the likely causes. 0 stops "
-            "at the first one. With gradient clipping on (`max_grad_norm > 0`) a finite clipping norm proves "
-            "the gradients finite, so the check costs nothing more; without it each gradient is summed once "
-            "(and scanned entry by entry only if its sum is not finite). Under DeepSpeed ZeRO the engine's own "
-            "check decides (a non-finite global gradient norm, on every rank alike) and the guard counts and "
-            "limits its skipped steps; under fp16 the loss scaler's skips are not counted."
-        },
-    )
-
-    reuse_host_memory: bool = field(
-        default=False,
-        metadata={
-            "help": "Opt-in, CPU under Linux with glibc only: keep memory that freed tensors give back inside the "
-            "process for the next allocation (glibc mallopt: no mmap for large blocks, no trimming of the heap) "
-            "instead of returning it to the system and page-faulting it in again. Training frees and "
-            "re-allocates the same large tensors (embedding gradients, logits, activations) every micro-batch; "
-            "with glibc's defaults each one is a fresh mapping whose pages fault in one by one. Measured: a "
-            "135M-parameter PPO update on 2 CPU threads 25.6 -> 20.5 s (5.1M -> 1.5M page faults, peak RSS "
-            "6470 -> 6215 MiB). Off by default because it changes the whole process, permanently (glibc has no "
-            "undo): resident memory then stays near its high-water mark after train() instead of shrinking "
-            "when tensors are freed. Not applied on GPU or with another allocator."
+            "untouched) and counted in train/nonfinite_steps_skipped; after this many consecutive skips, the "
+            "next one stops training with an error naming the likely causes. 0: stop at the first. Under "
+            "DeepSpeed ZeRO the engine's own check decides; fp16 loss-scaler skips are not counted."
         },
     )
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf_trainers import GRPOConfig, PPOConfig, RewardConfig, RLOOConfig
+from rlhf_trainers import CPUOptions, GRPOConfig, PPOConfig, RewardConfig, RLOOConfig
 from rlhf_trainers.cli import main
 from rlhf_trainers.models import load_reward_model
 from rlhf_trainers.scripts import ppo as ppo_script
@@ -34,13 +34,15 @@ from rlhf_trainers.scripts.reward import RewardScriptArguments
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# What every command parses: its script arguments, the dataset and LoRA flags, and its trainer's config.
+# What every command parses: its script arguments, the dataset and LoRA flags, its trainer's config (at
+# CONFIG) and the CPU speed switches.
 COMMANDS = {
-    "reward": (RewardScriptArguments, DatasetArguments, LoraArguments, RewardConfig),
-    "ppo": (PPOScriptArguments, DatasetArguments, LoraArguments, PPOConfig),
-    "rloo": (OnPolicyScriptArguments, DatasetArguments, LoraArguments, RLOOConfig),
-    "grpo": (OnPolicyScriptArguments, DatasetArguments, LoraArguments, GRPOConfig),
+    "reward": (RewardScriptArguments, DatasetArguments, LoraArguments, RewardConfig, CPUOptions),
+    "ppo": (PPOScriptArguments, DatasetArguments, LoraArguments, PPOConfig, CPUOptions),
+    "rloo": (OnPolicyScriptArguments, DatasetArguments, LoraArguments, RLOOConfig, CPUOptions),
+    "grpo": (OnPolicyScriptArguments, DatasetArguments, LoraArguments, GRPOConfig, CPUOptions),
 }
+CONFIG = 3
 EXAMPLES = {"reward": "reward_modeling.py", "ppo": "ppo.py", "rloo": "rloo.py", "grpo": "grpo.py"}
 
 # Small, quiet, CPU-only runs.
@@ -81,7 +83,7 @@ def test_help_documents_every_config_field(command, capsys):
     out = _help(capsys, [command, "--help"])
     assert out.startswith(f"usage: rlhf-trainers {command} ")
     squeezed = _squeeze(out)
-    config_class = COMMANDS[command][-1]
+    config_class = COMMANDS[command][CONFIG]
     documented = 0
     for dataclass_type in COMMANDS[command]:
         for f in dataclasses.fields(dataclass_type):
@@ -101,7 +103,7 @@ def test_help_lists_the_trainers_own_settings_before_the_inherited_ones(command,
     from transformers import TrainingArguments
 
     out = _help(capsys, [command, "--help"])
-    config_class = COMMANDS[command][-1]
+    config_class = COMMANDS[command][CONFIG]
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     own = [f.name for f in dataclasses.fields(config_class) if f.name not in inherited]
     own_title = f"{config_class.__name__} (this trainer's settings):"
@@ -116,6 +118,38 @@ def test_help_lists_the_trainers_own_settings_before_the_inherited_ones(command,
         assert out.index(own_title) < entry(name) < out.index(inherited_title), name
     for name in ("output_dir", "learning_rate", "per_device_train_batch_size"):
         assert entry(name) > out.index(inherited_title), name
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_help_lists_the_cpu_switches_last_in_their_own_group(command, capsys):
+    out = _help(capsys, [command, "--help"])
+    title = f"{CPUOptions._argument_group_name}:"
+    assert out.index(title) > out.index("transformers.TrainingArguments (inherited):")
+    for f in dataclasses.fields(CPUOptions):
+        assert re.search(rf"\n {{2}}--{f.name}\b", out).start() > out.index(title), f.name
+
+
+def test_the_cpu_flags_keep_their_names_and_reach_cpu_options():
+    argv = ["--output_dir", "unused", "--mkl_prepacked_decoding", "true", "--lean-decoding", "false"]
+    argv += [
+        "--onednn_linear_min_weights",
+        "0",
+        "--reuse_host_memory",
+        "true",
+        "--drop_finished_rows",
+        "false",
+    ]
+    *_, config, options = parse_args(COMMANDS["ppo"], argv)
+    assert isinstance(config, PPOConfig) and not hasattr(config, "lean_decoding")
+    assert options == CPUOptions(
+        mkl_prepacked_decoding=True,
+        lean_decoding=False,
+        onednn_linear_min_weights=0,
+        reuse_host_memory=True,
+        drop_finished_rows=False,
+    )
+    *_, defaults = parse_args(COMMANDS["grpo"], ["--output_dir", "unused"])
+    assert defaults == CPUOptions()
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -139,7 +173,9 @@ def test_kit_defaults_apply_only_on_the_kit_and_only_to_flags_not_given():
     types = COMMANDS["ppo"]
 
     def config(*argv: str) -> PPOConfig:
-        return parse_args(types, ["--output_dir", "unused", *argv], kit_defaults=ppo_script.KIT_DEFAULTS)[-1]
+        return parse_args(types, ["--output_dir", "unused", *argv], kit_defaults=ppo_script.KIT_DEFAULTS)[
+            CONFIG
+        ]
 
     on_kit = config()
     for name, value in ppo_script.KIT_DEFAULTS.items():

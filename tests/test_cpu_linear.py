@@ -1,4 +1,4 @@
-"""``onednn_linear`` (``rlhf_trainers.cpu_speedups``): the float32 ``F.linear`` calls of the sampling loop's
+"""``onednn_linear`` (``rlhf_trainers.cpu``): the float32 ``F.linear`` calls of the sampling loop's
 decoding steps on CPU go through oneDNN inside the trainers' updates, with PyTorch's results up to float32
 rounding; every other call (training and scoring passes, autograd, autocast, other dtypes) is left to
 PyTorch, and training is the same as without it."""
@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch.nn import functional as TF
 
-from rlhf_trainers import RLOOConfig, cpu_speedups
-from rlhf_trainers.cpu_speedups import OneDNNLinear, onednn_linear_available
+from rlhf_trainers import CPUOptions
+from rlhf_trainers.cpu import AutocastWeightCache, OneDNNLinear, onednn_linear_available
+from rlhf_trainers.cpu import decoding as cpu_decoding
+from rlhf_trainers.cpu import linear as cpu_linear
 from tests.test_rloo import _digest, _trainer
 
 
@@ -21,13 +23,13 @@ def onednn_calls(monkeypatch) -> dict[str, int]:
     # The availability probe (one oneDNN product, cached per process) must not count: run it first, since
     # which tests ran before in this process (pytest-xdist) decides whether it already ran.
     onednn_linear_available()
-    real = cpu_speedups._op
+    real = cpu_linear._op
 
     def counting(*args):
         calls["n"] += 1
         return real(*args)
 
-    monkeypatch.setattr(cpu_speedups, "_op", counting)
+    monkeypatch.setattr(cpu_linear, "_op", counting)
     return calls
 
 
@@ -136,9 +138,9 @@ def test_it_applies_only_where_it_pays_and_is_safe(kit, tmp_path, monkeypatch):
     largest = max(
         m.weight.numel() for m in kit.load_model("llama-sft").modules() if isinstance(m, torch.nn.Linear)
     )
-    assert largest < RLOOConfig.onednn_linear_min_weights
-    # Opt-in: measured slower than MKL on an Intel Xeon, faster on an AMD EPYC (the field's help).
-    assert not RLOOConfig.onednn_linear
+    assert largest < CPUOptions.onednn_linear_min_weights
+    # Opt-in: faster than MKL on some CPUs, slower on others (docs/cpu.md).
+    assert not CPUOptions.onednn_linear
     assert not _uses_onednn(_rloo(kit, tmp_path / "default", onednn_linear_min_weights=0))
     on = {"onednn_linear": True}
     assert not _uses_onednn(_rloo(kit, tmp_path / "small", **on))
@@ -148,13 +150,13 @@ def test_it_applies_only_where_it_pays_and_is_safe(kit, tmp_path, monkeypatch):
     f64 = kit.load_model("llama-sft").to(torch.float64)
     assert not _uses_onednn(_rloo(kit, tmp_path / "f64", model=f64, onednn_linear_min_weights=0, **on))
     # A torch build without oneDNN (or whose private op changed): PyTorch's linear, no error.
-    monkeypatch.setattr(cpu_speedups, "onednn_linear_available", lambda: False)
+    monkeypatch.setattr(cpu_decoding, "onednn_linear_available", lambda: False)
     assert not _uses_onednn(_rloo(kit, tmp_path / "none", onednn_linear_min_weights=0, **on))
 
 
 def test_bad_min_weights_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"onednn_linear_min_weights=-1: expected an integer >= 0"):
-        RLOOConfig(output_dir=str(tmp_path), report_to="none", onednn_linear_min_weights=-1)
+        CPUOptions(onednn_linear_min_weights=-1)
 
 
 # --- AutocastWeightCache: frozen weights cast once per sampling call under CPU autocast ---------------
@@ -170,7 +172,7 @@ def test_autocast_weight_cache_gives_autocasts_results_casting_a_frozen_weight_o
     x = torch.randn(3, 1, 16)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = [frozen(x), trained(x)]
-        cache = cpu_speedups.AutocastWeightCache()
+        cache = AutocastWeightCache()
         with cache:
             got = [frozen(x), trained(x), frozen(x)]
     assert got[0].dtype == torch.bfloat16
@@ -178,7 +180,7 @@ def test_autocast_weight_cache_gives_autocasts_results_casting_a_frozen_weight_o
     # one copy each of the frozen weight and bias, none of the trained layer's
     assert sorted(c[0].shape for c in cache._copies.values()) == [torch.Size([8]), torch.Size([8, 16])]
     assert all(c[1].dtype == torch.bfloat16 for c in cache._copies.values())
-    with cpu_speedups.AutocastWeightCache() as outside:
+    with AutocastWeightCache() as outside:
         assert torch.equal(frozen(x), TF.linear(x, frozen.weight, frozen.bias))
     assert not outside._copies
 
@@ -186,7 +188,7 @@ def test_autocast_weight_cache_gives_autocasts_results_casting_a_frozen_weight_o
 def test_the_trainer_samples_through_the_cache_in_cpu_bf16_only(kit, tmp_path):
     """A CPU run in bf16 samples inside the cache (named in the generation backend); float32 does not."""
     bf16 = _rloo(kit, tmp_path / "bf16", bf16=True)
-    assert cpu_speedups.AutocastWeightCache in bf16.generation_backend.contexts
+    assert AutocastWeightCache in bf16.generation_backend.contexts
     assert "frozen weights cast once per call" in bf16.generation_backend.name
     fp32 = _rloo(kit, tmp_path / "fp32")
-    assert cpu_speedups.AutocastWeightCache not in fp32.generation_backend.contexts
+    assert AutocastWeightCache not in fp32.generation_backend.contexts

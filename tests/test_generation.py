@@ -160,41 +160,47 @@ def test_contexts_are_entered_around_each_call_and_the_mode_restored(kit, prompt
 
 
 def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path, monkeypatch):
-    from rlhf_trainers import RLOOConfig, cpu_speedups
+    from rlhf_trainers import CPUOptions, RLOOConfig
+    from rlhf_trainers.cpu import decoding as cpu_decoding
+    from rlhf_trainers.cpu import decoding_speedups
 
     base = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True}
     cpu = torch.device("cpu")
+
+    def backend(options=None, synced_ranks=False, **fields):
+        speedups = decoding_speedups(policy, options, device=cpu)
+        return make_generation_backend(
+            policy, RLOOConfig(**base, **fields), speedups=speedups, synced_ranks=synced_ranks
+        )
+
     plain = make_generation_backend(policy)  # reward normalization: the builtin loop as it is
     assert type(plain) is BuiltinSampling and plain.name == "builtin" and plain.fast_steps is None
-    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "GenuineIntel")
-    builtin = make_generation_backend(policy, RLOOConfig(**base), device=cpu)
+    assert make_generation_backend(policy, RLOOConfig(**base)).name == "builtin"  # no speedups given
+    monkeypatch.setattr(cpu_decoding, "cpu_vendor", lambda: "GenuineIntel")
+    builtin = backend()
     assert type(builtin) is BuiltinSampling and builtin.logprobs_for_rollout
     # On an Intel CPU with MKL's packed GEMM (x86 torch wheels): the lean steps on prepacked weights,
     # and inverse-CDF draws (on CPU only; torch.multinomial, generate's draws, where switched off).
     assert builtin.name == "builtin (lean Llama steps on MKL-prepacked weights, inverse-CDF draws)"
-    assert builtin.fast_steps and builtin.draw is draw_inverse_cdf
+    assert builtin.fast_steps and builtin.draw is draw_inverse_cdf and builtin.drop_finished_rows
     assert plain.draw is draw_multinomial
     # Elsewhere (an AMD CPU, an unknown vendor) the default leaves the weights to MKL; True packs them.
     for vendor in ("AuthenticAMD", None):
-        monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda vendor=vendor: vendor)
-        default = make_generation_backend(policy, RLOOConfig(**base), device=cpu)
+        monkeypatch.setattr(cpu_decoding, "cpu_vendor", lambda vendor=vendor: vendor)
+        default = backend()
         assert default.name == "builtin (lean Llama steps, inverse-CDF draws)", vendor
-        forced = make_generation_backend(policy, RLOOConfig(**base, mkl_prepacked_decoding=True), device=cpu)
+        forced = backend(CPUOptions(mkl_prepacked_decoding=True))
         assert forced.name == builtin.name, vendor
-    unpacked = make_generation_backend(
-        policy, RLOOConfig(**base, mkl_prepacked_decoding=False, inverse_cdf_sampling=False), device=cpu
-    )
+    unpacked = backend(CPUOptions(mkl_prepacked_decoding=False, inverse_cdf_sampling=False))
     assert unpacked.name == "builtin (lean Llama steps)" and unpacked.fast_steps is not None
     assert unpacked.draw is draw_multinomial
-    no_lean = make_generation_backend(
-        policy, RLOOConfig(**base, lean_decoding=False, inverse_cdf_sampling=False), device=cpu
-    )
-    assert no_lean.name == "builtin" and no_lean.fast_steps is None
-    hf = make_generation_backend(policy, RLOOConfig(**base, generation_loop="transformers"), device=cpu)
+    no_lean = backend(CPUOptions(lean_decoding=False, inverse_cdf_sampling=False, drop_finished_rows=False))
+    assert no_lean.name == "builtin" and no_lean.fast_steps is None and not no_lean.drop_finished_rows
+    hf = backend(generation_loop="transformers")
     assert type(hf) is TransformersGenerate and hf.name == "transformers.generate"
     assert not hf.synced_ranks and not hf.logprobs_for_rollout
     # Multi-process ZeRO-3 without gathered weights: generate(synced_gpus=True) whatever the loop.
-    synced = make_generation_backend(policy, RLOOConfig(**base), device=cpu, synced_ranks=True)
+    synced = backend(synced_ranks=True)
     assert type(synced) is TransformersGenerate and synced.synced_ranks
     assert synced.name == "transformers.generate(synced_gpus)"
 
@@ -210,7 +216,7 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
     from test_rloo import _trainer
 
     import rlhf_trainers.onpolicy.sampling as engine
-    from rlhf_trainers import cpu_speedups
+    from rlhf_trainers.cpu import decoding as cpu_decoding
 
     built = []
     real = engine.make_generation_backend
@@ -220,7 +226,7 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
         return built[-1]
 
     monkeypatch.setattr(engine, "make_generation_backend", counting)
-    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "GenuineIntel")  # prepacked by default there
+    monkeypatch.setattr(cpu_decoding, "cpu_vendor", lambda: "GenuineIntel")  # prepacked by default there
     trainer = _trainer(
         kit, tmp_path, train_n=16, rloo_k=2, response_length=6, max_steps=2, generation_loop=loop
     )

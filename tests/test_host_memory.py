@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-import rlhf_trainers.cpu_speedups as tu
-from rlhf_trainers import PPOConfig, RewardConfig, RLOOConfig
+import rlhf_trainers.cpu.host_memory as tu
+from rlhf_trainers import CPUOptions, PPOConfig, RewardConfig, RLOOConfig
 
 glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or "glibc" not in " ".join(__import__("platform").libc_ver()),
@@ -26,7 +26,7 @@ _PROBE = textwrap.dedent(
     """
     import json, resource, sys
     import torch
-    from rlhf_trainers.cpu_speedups import reuse_freed_host_memory
+    from rlhf_trainers.cpu import reuse_freed_host_memory
 
     applied = reuse_freed_host_memory() if sys.argv[1] == "reuse" else False
     n = 16 * 2**20  # 64 MiB of float32, above glibc's largest mmap threshold (32 MiB)
@@ -59,37 +59,26 @@ def test_a_reallocated_large_tensor_faults_its_pages_in_again_only_without_reuse
     assert reuse["faults"] < pages // 20, reuse
 
 
-class _Args:
-    def __init__(self, device: str, reuse: bool) -> None:
-        import torch
-
-        self.device = torch.device(device)
-        self.reuse_host_memory = reuse
-
-
-class _Trainer:
-    def __init__(self, device: str, reuse: bool) -> None:
-        self.args = _Args(device, reuse)
-
-
 @pytest.mark.parametrize(
     ("device", "reuse", "expected"), [("cpu", True, 1), ("cpu", False, 0), ("cuda", True, 0)]
 )
 def test_applied_only_on_cpu_and_only_when_asked(monkeypatch, device, reuse, expected):
+    import torch
+
     calls = []
     monkeypatch.setattr(tu, "reuse_freed_host_memory", lambda: calls.append(1) or True)
-    tu.apply_host_memory_settings(_Trainer(device, reuse))
+    tu.apply_host_memory_settings(CPUOptions(reuse_host_memory=reuse), torch.device(device))
+    tu.apply_host_memory_settings(None, torch.device(device))  # no options: the defaults, off
     assert len(calls) == expected
 
 
-def test_every_config_has_the_field_off_by_default(tmp_path):
+def test_off_by_default_and_in_no_config(tmp_path):
     # A library must not change process-wide behaviour the user did not ask for.
-    for cls in (RLOOConfig, PPOConfig, RewardConfig):
-        config = cls(output_dir=str(tmp_path), report_to="none")
-        assert config.reuse_host_memory is False
-        assert (
-            cls(output_dir=str(tmp_path), report_to="none", reuse_host_memory=True).reuse_host_memory is True
-        )
+    assert CPUOptions().reuse_host_memory is False
+    assert CPUOptions(reuse_host_memory=True).reuse_host_memory is True
+    for cls in (RLOOConfig, PPOConfig, RewardConfig):  # a CPU switch, not an algorithm setting
+        with pytest.raises(TypeError, match="reuse_host_memory"):
+            cls(output_dir=str(tmp_path), report_to="none", reuse_host_memory=True)
 
 
 @pytest.mark.parametrize("reuse", [True, False, None])
@@ -111,7 +100,6 @@ def test_train_applies_the_setting(kit, tmp_path, monkeypatch, reuse):
         save_strategy="no",
         num_sample_generations=0,
         disable_tqdm=True,
-        **({} if reuse is None else {"reuse_host_memory": reuse}),
     )
     trainer = RLOOTrainer(
         model=kit.load_model("llama-sft"),
@@ -119,6 +107,7 @@ def test_train_applies_the_setting(kit, tmp_path, monkeypatch, reuse):
         args=config,
         reward_funcs=true_reward,
         train_dataset=kit.prompt_dataset("train", n=8),
+        cpu_options=None if reuse is None else CPUOptions(reuse_host_memory=reuse),
     )
     trainer.train()
     assert len(calls) == (1 if reuse else 0)

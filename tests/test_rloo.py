@@ -7,6 +7,7 @@ Rollout rows are laid out as in the RLOO blog: completion j of prompt i at row `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import types
@@ -16,7 +17,7 @@ import torch
 from resume_checks import assert_resumed_like_uninterrupted, resume_from_each
 from transformers import TrainerCallback
 
-from rlhf_trainers import PPOConfig, RLOOConfig, RLOOTrainer
+from rlhf_trainers import CPUOptions, PPOConfig, RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
 from rlhf_trainers.onpolicy.checkpoint import ONPOLICY_STATE_FILE, VALUE_MODEL_DIR
 from rlhf_trainers.onpolicy.rollout import Advantages, Rollout
@@ -59,6 +60,9 @@ def _config(tmp_path, **overrides) -> RLOOConfig:
 
 def _trainer(kit, tmp_path, *, train_n=64, eval_n=None, model="llama-sft", **kwargs) -> RLOOTrainer:
     trainer_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _TRAINER_ARGS}
+    switches = {k: kwargs.pop(k) for k in list(kwargs) if k in _CPU_OPTIONS}
+    if switches:  # the CPU speed switches go to the trainer's cpu_options, not to the config
+        trainer_kwargs["cpu_options"] = CPUOptions(**switches)
     trainer_kwargs.setdefault("reward_funcs", None if "reward_model" in trainer_kwargs else true_reward)
     return RLOOTrainer(
         model=kit.load_model(model) if isinstance(model, str) else model,
@@ -77,7 +81,9 @@ _TRAINER_ARGS = {
     "peft_config",
     "reward_processing_class",
     "callbacks",
+    "cpu_options",
 }
+_CPU_OPTIONS = {f.name for f in dataclasses.fields(CPUOptions)}
 
 
 def _digest(module: torch.nn.Module) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The builtin sampling loop (``rlhf_trainers.generation.builtin``), its lean decoding steps
-(``rlhf_trainers.cpu_speedups``), ``generation_loop`` and ``rollout_logprobs``.
+(``rlhf_trainers.cpu``), ``generation_loop`` and ``rollout_logprobs``.
 
 The loop (with its default draw, ``torch.multinomial``) must draw what ``generate(do_sample=True, top_k=0,
 top_p=1)`` draws for the same seed, ignore the model's ``generation_config.json``, and return the log-probs
@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from rlhf_trainers import RLOOConfig, RLOOTrainer
 from rlhf_trainers import functional as F
-from rlhf_trainers.cpu_speedups import lean_llama_steps
+from rlhf_trainers.cpu import lean_llama_steps
 from rlhf_trainers.generation import BuiltinSampling, SamplingSettings, sample_with_kv_cache
 from rlhf_trainers.onpolicy.forward import policy_logits
 
@@ -363,17 +363,17 @@ def test_config_errors(tmp_path):
 
 def _prepacked_steps_built(monkeypatch) -> list:
     """The LeanLlamaSteps objects the prepacked provider builds, kept."""
-    from rlhf_trainers import cpu_speedups
+    from rlhf_trainers.cpu import LeanLlamaSteps
 
     built = []
-    build = cpu_speedups.LeanLlamaSteps.build
+    build = LeanLlamaSteps.build
 
     def keep(*args, **kwargs):
         steps = build(*args, **kwargs)
         built.append(steps)
         return steps
 
-    monkeypatch.setattr(cpu_speedups.LeanLlamaSteps, "build", staticmethod(keep))
+    monkeypatch.setattr(LeanLlamaSteps, "build", staticmethod(keep))
     return built
 
 
@@ -381,7 +381,7 @@ def _prepacked_steps_built(monkeypatch) -> list:
 def test_mkl_prepacked_decoding_samples_what_the_forward_samples(
     policy, prompts, monkeypatch, temperature, stop
 ):
-    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked, mkl_prepacked_linear_available
+    from rlhf_trainers.cpu import lean_llama_steps_prepacked, mkl_prepacked_linear_available
 
     assert mkl_prepacked_linear_available()  # x86 torch wheels (CI's) have MKL's packed GEMM
     built = _prepacked_steps_built(monkeypatch)
@@ -423,7 +423,7 @@ def _with_and_without(provider, model, prompts, max_new_tokens: int) -> list:
 def test_mkl_prepacked_decoding_leaves_lora_layers_to_their_own_forward(kit, prompts, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
-    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked
+    from rlhf_trainers.cpu import lean_llama_steps_prepacked
 
     built = _prepacked_steps_built(monkeypatch)
     model = get_peft_model(
@@ -455,7 +455,7 @@ def test_merged_adapter_decoding_samples_what_the_adapters_forward_samples(kit, 
     """merged_adapter_decoding: the LoRA layers' decoding steps run on packed copies of their weights with
     the adapters merged (DoRA's magnitudes too), and sample what the adapter's own forward samples; the
     model is left unmerged."""
-    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked_merged
+    from rlhf_trainers.cpu import lean_llama_steps_prepacked_merged
 
     built = _prepacked_steps_built(monkeypatch)
     model = _adapted_policy(kit, target_modules=["q_proj", "o_proj", "up_proj", "down_proj"], use_dora=dora)
@@ -473,7 +473,7 @@ def test_merged_adapter_decoding_samples_what_the_adapters_forward_samples(kit, 
 def test_merged_adapter_decoding_under_bf16_autocast_casts_the_merged_copies_once(kit, prompts):
     """Under CPU bf16 autocast the merged copies are bf16 (cast once per call) and a step's product through
     one equals the adapter's forward to bf16 rounding."""
-    from rlhf_trainers.cpu_speedups import AutocastWeightCache, LeanLlamaSteps
+    from rlhf_trainers.cpu import AutocastWeightCache, LeanLlamaSteps
 
     model = _adapted_policy(kit, target_modules=["q_proj", "gate_proj"])
     _, ids, mask = prompts
@@ -491,21 +491,21 @@ def test_merged_adapter_decoding_under_bf16_autocast_casts_the_merged_copies_onc
 
 
 def test_an_adapter_peft_cannot_merge_keeps_its_own_forward(kit):
-    from rlhf_trainers import cpu_speedups
+    from rlhf_trainers.cpu import lean_llama as cpu_lean
 
     model = _adapted_policy(kit, target_modules=["q_proj"], alora_invocation_tokens=[5, 6])
     layers = [m for m in model.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer")]
-    assert layers and all(cpu_speedups._merged_lora(m) is None for m in layers)
+    assert layers and all(cpu_lean._merged_lora(m) is None for m in layers)
     plain = _adapted_policy(kit, target_modules=["q_proj"])
     layer = next(m for m in plain.modules() if "lora" in type(m).__module__ and hasattr(m, "base_layer"))
-    assert cpu_speedups._merged_lora(layer) is not None
-    assert cpu_speedups._merged_lora(layer.train()) is None  # the adapter's dropout acts in training mode
+    assert cpu_lean._merged_lora(layer) is not None
+    assert cpu_lean._merged_lora(layer.train()) is None  # the adapter's dropout acts in training mode
 
 
 def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, tmp_path, monkeypatch):
     from peft import LoraConfig
 
-    from rlhf_trainers.cpu_speedups import lean_llama_steps_prepacked, lean_llama_steps_prepacked_merged
+    from rlhf_trainers.cpu import lean_llama_steps_prepacked, lean_llama_steps_prepacked_merged
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
     on = _trainer(kit, tmp_path / "on", peft_config=lora, mkl_prepacked_decoding=True)
@@ -524,15 +524,15 @@ def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, 
 
 
 def test_the_trainer_decodes_on_prepacked_weights_on_intel_cpus_or_when_asked(kit, tmp_path, monkeypatch):
-    from rlhf_trainers import cpu_speedups
-    from rlhf_trainers.cpu_speedups import lean_llama_steps, lean_llama_steps_prepacked
+    from rlhf_trainers.cpu import decoding as cpu_decoding
+    from rlhf_trainers.cpu import lean_llama_steps, lean_llama_steps_prepacked
 
-    assert cpu_speedups.cpu_vendor() in ("GenuineIntel", "AuthenticAMD")  # x86 Linux (CI's): cpuinfo says
-    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_decoding.cpu_vendor() in ("GenuineIntel", "AuthenticAMD")  # x86 Linux (CI's): cpuinfo says
+    monkeypatch.setattr(cpu_decoding, "cpu_vendor", lambda: "GenuineIntel")
     on = _trainer(kit, tmp_path / "on")
     assert on.generation_backend.fast_steps is lean_llama_steps_prepacked
     assert "MKL-prepacked weights" in on.batch_accounting()
-    monkeypatch.setattr(cpu_speedups, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_decoding, "cpu_vendor", lambda: "AuthenticAMD")
     asked = _trainer(kit, tmp_path / "asked", mkl_prepacked_decoding=True)
     assert asked.generation_backend.fast_steps is lean_llama_steps_prepacked
     for name, extra in (
@@ -622,23 +622,23 @@ def test_dropping_stopped_rows_samples_what_the_full_batch_samples(
     """With ``drop_finished_rows`` the decoding steps run on fewer rows once a quarter have stopped (the
     cache shrinks with them), and the samples (tokens, log-probs, entropies) are those of the loop that
     runs every row to the end: the draws still consume the random numbers of all rows."""
-    from rlhf_trainers import cpu_speedups
+    from rlhf_trainers.cpu import lean_llama as cpu_lean
 
     model = kit.load_model(name).eval()
     tok, ids, mask = prompts
     provider = {
         "lean": lean_llama_steps,
-        "prepacked": cpu_speedups.lean_llama_steps_prepacked,
+        "prepacked": cpu_lean.lean_llama_steps_prepacked,
         "forward": None,
     }[steps_kind]
     selected: list[int] = []
-    select = cpu_speedups.LeanLlamaSteps.select_rows
+    select = cpu_lean.LeanLlamaSteps.select_rows
 
     def recording(self, index):
         selected.append(int(index.numel()))
         return select(self, index)
 
-    monkeypatch.setattr(cpu_speedups.LeanLlamaSteps, "select_rows", recording)
+    monkeypatch.setattr(cpu_lean.LeanLlamaSteps, "select_rows", recording)
     # Stop tokens that some rows sample early (the kit models rarely sample EOS): the third tokens of
     # three rows of a run from the same seed.
     torch.manual_seed(7)

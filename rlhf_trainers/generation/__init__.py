@@ -11,7 +11,14 @@ docs/generation.md.
 
 from __future__ import annotations
 
-from .base import GenerationBackend, GenerationError, Samples, SamplingSettings, check_samples
+from .base import (
+    DecodingSpeedups,
+    GenerationBackend,
+    GenerationError,
+    Samples,
+    SamplingSettings,
+    check_samples,
+)
 from .builtin import (
     BuiltinSampling,
     Draw,
@@ -28,6 +35,7 @@ from .transformers_generate import TransformersGenerate, generation_config_set_a
 __all__ = [
     "GENERATION_LOOPS",
     "BuiltinSampling",
+    "DecodingSpeedups",
     "Draw",
     "FastDecodingSteps",
     "FastStepsProvider",

@@ -13,6 +13,7 @@ from torch import nn
 
 __all__ = [
     "ContextFactory",
+    "DecodingSpeedups",
     "GenerationBackend",
     "GenerationError",
     "Samples",
@@ -23,6 +24,32 @@ __all__ = [
 
 #: Called before every ``sample`` call for the context the sampling runs in (e.g. ZeRO-3 gathering).
 ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class DecodingSpeedups:
+    """What a backend may sample with besides the model: given to
+    :func:`~rlhf_trainers.generation.make_generation_backend` by whoever builds it (the trainers take it
+    from :func:`rlhf_trainers.cpu.decoding_speedups`); the backend uses it without knowing what it is.
+    The default is the plain loop."""
+
+    #: The builtin loop's provider of faster decoding steps
+    #: (:data:`~rlhf_trainers.generation.builtin.FastStepsProvider`), or None.
+    fast_steps: Callable[..., Any] | None = None
+    #: What ``fast_steps`` is called in the batch accounting ("" when None).
+    fast_steps_name: str = ""
+    #: A factory of one more context every sampling call runs in, or None.
+    context: ContextFactory | None = None
+    #: What ``context`` is called in the batch accounting ("" when None).
+    context_name: str = ""
+    #: How the builtin loop draws its tokens from the probabilities
+    #: (:data:`~rlhf_trainers.generation.builtin.Draw`), or None for ``torch.multinomial``.
+    draw: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: What ``draw`` is called in the batch accounting ("" when None).
+    draw_name: str = ""
+    #: Whether the builtin loop's decoding steps go on without the rows that stopped
+    #: (:func:`~rlhf_trainers.generation.builtin.sample_with_kv_cache`).
+    drop_finished_rows: bool = True
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ log-probability and entropy of each sampled token from the logits it already has
 rollout a separate forward pass of the policy (``rollout_logprobs``). Its draws are those of
 ``generate(do_sample=True, top_k=0, top_p=1.0, temperature=...)`` for the same seed (the same
 ``softmax`` and ``torch.multinomial`` calls, in the same order), unless it is given another way to draw
-(:func:`draw_inverse_cdf`, the CPU speed switch ``inverse_cdf_sampling``).
+(:func:`draw_inverse_cdf`, which the trainers use on CPU: ``CPUOptions.inverse_cdf_sampling``).
 
 The loop runs the model's forward at every step, unless it is given a provider of faster decoding steps
 (:data:`FastStepsProvider`) that takes over after the prompt pass for the models it can reproduce.

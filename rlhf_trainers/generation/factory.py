@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import torch
 from torch import nn
 
-from .base import ContextFactory, GenerationBackend
+from .base import ContextFactory, DecodingSpeedups, GenerationBackend
 from .builtin import BuiltinSampling
 from .transformers_generate import TransformersGenerate
 
@@ -22,8 +21,7 @@ def make_generation_backend(
     model: nn.Module,
     config: Any = None,
     *,
-    device: torch.device | None = None,
-    deepspeed: bool = False,
+    speedups: DecodingSpeedups | None = None,
     synced_ranks: bool = False,
     context: ContextFactory | None = None,
     weights_version: Callable[[], Hashable] | None = None,
@@ -34,11 +32,10 @@ def make_generation_backend(
 
     Args:
         model: the policy (unwrapped from DDP/DeepSpeed), sampled in eval mode.
-        config: an :class:`~rlhf_trainers.OnPolicyConfig`: its ``generation_loop`` picks the backend, and its
-            CPU speed switches (:func:`rlhf_trainers.cpu_speedups.decoding_speedups`) what the backend may
-            run with. None: the builtin loop as it is (what reward normalization samples with).
-        device: where the model runs (CPU speed switches apply on CPU only); default: the model's.
-        deepspeed: whether the model trains under DeepSpeed.
+        config: an :class:`~rlhf_trainers.OnPolicyConfig`: its ``generation_loop`` picks the backend. None:
+            the builtin loop as it is (what reward normalization samples with).
+        speedups: what the builtin loop or ``generate`` may run with besides the model (the trainers give
+            :func:`rlhf_trainers.cpu.decoding_speedups`); default: nothing more. Not used by vLLM.
         synced_ranks: processes must run generation in step (multi-process ZeRO-3 without gathered
             weights): ``generate(synced_gpus=True)``, whatever ``generation_loop`` says.
         context: the context every sampling call runs in first (e.g.
@@ -59,18 +56,21 @@ def make_generation_backend(
         return BuiltinSampling(model, contexts=(context,))
     if getattr(config, "use_vllm", False):
         return _vllm_backend(model, config, weights_version, process_index, longest_sequence)
-    from ..cpu_speedups import decoding_speedups
-
-    if device is None:
-        device = next(model.parameters()).device
-    speedups = decoding_speedups(model, config, device=device, deepspeed=deepspeed)
+    if speedups is None:
+        speedups = DecodingSpeedups()
     contexts = (context, speedups.context)
     if synced_ranks or loop == "transformers":
         backend: GenerationBackend = TransformersGenerate(model, synced_ranks=synced_ranks, contexts=contexts)
         extras = [speedups.context_name]
     else:
         draw = {} if speedups.draw is None else {"draw": speedups.draw}
-        backend = BuiltinSampling(model, contexts=contexts, fast_steps=speedups.fast_steps, **draw)
+        backend = BuiltinSampling(
+            model,
+            contexts=contexts,
+            fast_steps=speedups.fast_steps,
+            drop_finished_rows=speedups.drop_finished_rows,
+            **draw,
+        )
         extras = [speedups.fast_steps_name, speedups.context_name, speedups.draw_name]
     extras = [name for name in extras if name]
     if extras:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
+    from ..cpu import CPUOptions
+
 
 class GRPOTrainer(OnPolicyTrainer):
     """GRPO as a ``transformers.Trainer``, with the arguments of TRL's ``GRPOTrainer``.
@@ -54,6 +56,8 @@ class GRPOTrainer(OnPolicyTrainer):
             under PEFT). Not built at all with ``beta == 0``.
         reward_model: a reward model given apart (PPO's and RLOO's keyword), taken as the first entry of
             ``reward_funcs`` (so ``reward_weights`` list its weight first).
+        cpu_options: the CPU speed switches (:class:`~rlhf_trainers.CPUOptions`, docs/cpu.md); None: their
+            defaults.
     """
 
     _config_class = GRPOConfig
@@ -83,6 +87,7 @@ class GRPOTrainer(OnPolicyTrainer):
         ref_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         reward_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+        cpu_options: CPUOptions | None = None,
     ) -> None:
         args = self._checked_args(args)
         if reward_model is not None:
@@ -113,6 +118,7 @@ class GRPOTrainer(OnPolicyTrainer):
             reward_funcs=functions or None,
             reward_processing_class=reward_tokenizer,
             data_collator=data_collator,
+            cpu_options=cpu_options,
         )
 
     @property

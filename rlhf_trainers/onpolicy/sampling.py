@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .. import compat
+from ..cpu import decoding_speedups, keep_prepared_weights
 from ..distributed import generation_context
 from ..generation import GenerationError, SamplingSettings, check_samples, make_generation_backend
 
@@ -24,21 +25,38 @@ class PolicySampler:
             ``batch_accounting()``.
     """
 
-    def __init__(self, engine: Any, stop_ids: list[int]) -> None:
+    def __init__(self, engine: Any, stop_ids: list[int], cpu_options: Any = None) -> None:
         self.engine = engine
         self.stop_ids = stop_ids
         self._logprobs_from_generation: bool | None = None
+        args = engine.args
+        # What the backend may sample with on CPU (rlhf_trainers.cpu, per cpu_options): decided here, so
+        # that rlhf_trainers.generation never imports the CPU switches. vLLM takes none of them.
+        speedups = None
+        if not args.use_vllm:
+            speedups = decoding_speedups(
+                engine.policy,
+                cpu_options,
+                device=engine.accelerator.device,
+                deepspeed=engine.is_deepspeed_enabled,
+                half_precision=bool(args.bf16 or args.fp16),
+            )
         self.backend = make_generation_backend(
             engine.policy,
-            engine.args,
-            device=engine.accelerator.device,
-            deepspeed=engine.is_deepspeed_enabled,
+            args,
+            speedups=speedups,
             synced_ranks=self._synced_generation(),
             context=self._generation_context,
             weights_version=self.policy_weights_version,
             process_index=engine.accelerator.process_index,
-            longest_sequence=self._longest_prompt() + engine.args.response_length,
+            longest_sequence=self._longest_prompt() + args.response_length,
         )
+
+    def prepared_weights_kept(self) -> contextlib.AbstractContextManager[Any]:
+        """Inside this context, what the CPU decoding steps derive from the policy's weights alone (merged
+        LoRA copies, MKL-packed weights) is made once per weight version and shared by every sampling call
+        (:func:`rlhf_trainers.cpu.keep_prepared_weights`); evaluation enters it."""
+        return keep_prepared_weights()
 
     def _longest_prompt(self) -> int:
         """Tokens of the longest tokenized prompt (train and eval datasets, after truncation)."""

@@ -41,7 +41,7 @@ from .. import compat
 from .. import functional as F
 from ..compat import TrainerHooksMixin
 from ..compilation import CompiledBlocks
-from ..cpu_speedups import apply_host_memory_settings
+from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PromptCollator
 from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import _is_peft_model
@@ -123,8 +123,11 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         reward_processing_class: PreTrainedTokenizerBase | None = None,
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         value_model: str | os.PathLike[str] | PreTrainedModel | None = None,
+        cpu_options: CPUOptions | None = None,
     ) -> None:
         args = self._checked_args(args)
+        #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
+        self.cpu_options = resolve_cpu_options(cpu_options)
         if train_dataset is None:
             raise ValueError(
                 f"{type(self).__name__} needs a train_dataset of prompts (a 'prompt' column of text or chat "
@@ -225,7 +228,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.collectives = Collectives(self.accelerator)
         self.objective = self.objective_class(args, self.collectives)
         self.passes = ModelPasses(self, models.vocab)
-        self.sampler = PolicySampler(self, stop_ids)
+        self.sampler = PolicySampler(self, stop_ids, self.cpu_options)
         self.producer: RolloutProducer = SingleTurnProducer(self)
         self.loop = OptimizationLoop(self)
 
@@ -625,7 +628,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             checkpoint.check_resume(self, resume_from_checkpoint)
         self.is_in_train = True
         self.interrupted = False
-        apply_host_memory_settings(self)
+        apply_host_memory_settings(self.cpu_options, args.device)
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
             self._enable_gradient_checkpointing()
         if resume_from_checkpoint is not None and not self.is_deepspeed_enabled:

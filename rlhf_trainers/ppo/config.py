@@ -64,15 +64,10 @@ class PPOConfig(OnPolicyConfig):
     rollout_values: str = field(
         default="auto",
         metadata={
-            "help": "Where the rollout's values V(s_t) (GAE's baseline, the value clip's centre) come from. "
-            "'forward': a separate no-grad pass of the value model over every completion. 'auto': the "
-            "completions of the first micro-batch of the first optimizer step take theirs from that "
-            "micro-batch's own training forward pass (the same weights, before any optimizer step; run "
-            "before the advantages, its graph kept for the backward pass), the others from the no-grad pass: "
-            "one value forward over a micro-batch less per update (all of it with one mini-batch and one "
-            "micro-batch). The update is the same up to float rounding. 'auto' falls back to 'forward' "
-            "where the training pass is not the rollout's arithmetic or the trained rows are not the rolled-"
-            "out ones: dropout on (disable_dropout=False), DeepSpeed, balance_batch over several processes."
+            "help": "Where the rollout's values V(s_t) come from. 'forward': a separate no-grad pass of the value "
+            "model. 'auto': the first micro-batch of the first optimizer step takes its values from its own "
+            "training forward pass (same weights, before any step): one value pass less per update, equal up "
+            "to rounding. Falls back to 'forward' under dropout, DeepSpeed or multi-process balance_batch."
         },
     )
 

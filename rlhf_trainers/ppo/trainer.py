@@ -98,6 +98,8 @@ class PPOTrainer(OnPolicyTrainer):
             ``PPOConfig.reward_weights`` (reward model first).
         peft_config: a PEFT config applied to ``model`` (LoRA).
         callbacks, optimizers, data_collator: as in ``transformers.Trainer``.
+        cpu_options: the CPU speed switches (:class:`~rlhf_trainers.CPUOptions`, docs/cpu.md); None: their
+            defaults, the automatic choices.
     """
 
     _config_class = PPOConfig

@@ -71,12 +71,11 @@ class RewardConfig(ReliabilityArguments, TrainingArguments):
     reward_normalization: str = field(
         default="no",
         metadata={
-            "help": "When to compute the reward normalization (the reference implementation does both): 'no', 'before', 'after' or "
-            "'before_and_after' training. It samples completions from the reference policy "
-            "(normalization_policy=) on prompts (normalization_prompts=) and sets a gain and bias so that "
-            "their rewards have mean normalization_target_mean and std normalization_target_std. The gain "
-            "and bias are stored in the model config (and reward_normalization.json) and applied by the "
-            "PPO/RLOO trainers."
+            "help": "When to compute the reward normalization: 'no', 'before', 'after' or 'before_and_after' "
+            "training. It samples the reference policy (normalization_policy=) on prompts "
+            "(normalization_prompts=) and sets a gain and bias that give their rewards mean "
+            "normalization_target_mean and std normalization_target_std, stored in the model config and "
+            "reward_normalization.json and applied by the on-policy trainers."
         },
     )
     normalization_num_samples: int = field(

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..compat import EvaluateBeforeTrainMixin, prepare_inputs
-from ..cpu_speedups import apply_host_memory_settings
+from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
 from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import (
@@ -100,6 +100,8 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
             ``normalization_tokenizer`` or loaded from its path, else ``processing_class``.
         normalization_prompts: prompts (strings or message lists, or a dataset with a "prompt"
             column) to sample from for the normalization.
+        cpu_options: the CPU speed switches (:class:`~rlhf_trainers.CPUOptions`): of them, the reward
+            trainer uses ``reuse_host_memory``. None: the defaults.
 
     Everything else is ``transformers.Trainer``'s. Training logs ``loss``, ``accuracy``, ``margin``,
     ``mean_reward``, ``min_reward``, ``max_reward`` (over the pairs since the last log); evaluation
@@ -126,7 +128,10 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         normalization_tokenizer: PreTrainedTokenizerBase | None = None,
         normalization_prompts: Sequence[Prompt] | datasets.Dataset | None = None,
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        cpu_options: CPUOptions | None = None,
     ) -> None:
+        #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
+        self.cpu_options = resolve_cpu_options(cpu_options)
         args, processing_class = _checked_arguments(
             model, args, processing_class, train_dataset, eval_dataset, peft_config
         )
@@ -419,7 +424,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         if when in ("before", "before_and_after") and not kwargs.get("resume_from_checkpoint") and not args:
             self.normalize_rewards()
         self.interrupted = False
-        apply_host_memory_settings(self)
+        apply_host_memory_settings(self.cpu_options, self.args.device)
         output = super().train(*args, **kwargs)
         self._readable_config_pad()
         if when in ("after", "before_and_after"):

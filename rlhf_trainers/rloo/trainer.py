@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
+    from ..cpu import CPUOptions
+
 #: A minimal chat template for the prompts of base models that have none (the RLOO blog's snippet sets it,
 #: TRL's own): each message's content after a space, and no EOS at the end, since the policy is to
 #: continue the query and end its own completion with EOS.
@@ -68,7 +70,8 @@ class RLOOTrainer(OnPolicyTrainer):
             ``RLOOConfig.reward_weights`` (reward model first); as in TRL 1.x, the list may also hold one
             reward model (instance or path; its tokenizer in ``reward_processing_classes``), in which
             case ``reward_weights`` follow the list's order.
-        peft_config, callbacks, optimizers, data_collator: as for :class:`~rlhf_trainers.PPOTrainer`.
+        peft_config, callbacks, optimizers, data_collator, cpu_options: as for
+            :class:`~rlhf_trainers.PPOTrainer`.
 
     The aliases are the names of the RLOO blog's snippet (TRL's first RLOOTrainer), so that code runs
     unchanged; giving both a name and its alias is an error.
@@ -103,6 +106,7 @@ class RLOOTrainer(OnPolicyTrainer):
         policy: str | os.PathLike[str] | PreTrainedModel | None = None,
         ref_policy: str | os.PathLike[str] | PreTrainedModel | None = None,
         reward_processing_classes: Any = None,
+        cpu_options: CPUOptions | None = None,
     ) -> None:
         model = _alias("model", model, "policy", policy)
         ref_model = _alias("ref_model", ref_model, "ref_policy", ref_policy)
@@ -132,6 +136,7 @@ class RLOOTrainer(OnPolicyTrainer):
             reward_funcs=reward_funcs,
             reward_processing_class=reward_processing_class,
             data_collator=data_collator,
+            cpu_options=cpu_options,
         )
 
     completions_per_prompt_name = "rloo_k"

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from peft import LoraConfig
     from transformers import HfArgumentParser, PreTrainedTokenizerBase, Trainer
 
+    from ..cpu import CPUOptions
     from ..onpolicy import OnPolicyConfig, OnPolicyTrainer
 
 logger = logging.getLogger(__name__)
@@ -243,6 +244,19 @@ def _group_config_flags(parser: argparse.ArgumentParser, dataclass_types: Sequen
                     parser._optionals._group_actions.remove(action)
                     group._group_actions.append(action)
                     break
+    _list_cpu_options_last(parser)
+
+
+def _list_cpu_options_last(parser: argparse.ArgumentParser) -> None:
+    """Move the CPU speed switches' group (:class:`~rlhf_trainers.CPUOptions`) to the end of ``--help``:
+    after the algorithm's options, which are what most users look for (a GPU run needs none of them)."""
+    from ..cpu import CPUOptions
+
+    title = CPUOptions._argument_group_name
+    groups = [group for group in parser._action_groups if group.title == title]
+    for group in groups:
+        parser._action_groups.remove(group)
+        parser._action_groups.append(group)
 
 
 def parse_args(
@@ -452,6 +466,7 @@ def run_onpolicy(
     data: DatasetArguments,
     lora: LoraArguments,
     config: OnPolicyConfig,
+    cpu_options: CPUOptions | None = None,
 ) -> dict[str, Any]:
     """Train a PPO or RLOO policy from parsed arguments: load the prompts and the tokenizer, build the
     trainer (plus ``script.trainer_kwargs()``, e.g. PPO's value model), evaluate before and after training
@@ -483,6 +498,7 @@ def run_onpolicy(
         train_dataset=train,
         eval_dataset=test,
         peft_config=lora.peft_config("CAUSAL_LM"),
+        cpu_options=cpu_options,
         **script.trainer_kwargs(),
     )
     results = run_info(trainer)
@@ -507,14 +523,17 @@ def onpolicy_main(
     description: str,
     kit_defaults: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The ``main`` of ``rlhf-trainers ppo`` and ``rloo``: parse `argv` into `script_class`, the dataset
-    and LoRA flags and `config_class`, then :func:`run_onpolicy` with `trainer_class`."""
+    """The ``main`` of ``rlhf-trainers ppo``, ``rloo`` and ``grpo``: parse `argv` into `script_class`, the
+    dataset and LoRA flags, `config_class` and the CPU switches (:class:`~rlhf_trainers.CPUOptions`), then
+    :func:`run_onpolicy` with `trainer_class`."""
+    from ..cpu import CPUOptions
+
     # The config is built before any model is loaded: under ZeRO-3 the models are then partitioned on load.
-    script, data, lora, config = parse_args(
-        (script_class, DatasetArguments, LoraArguments, config_class),
+    script, data, lora, config, cpu_options = parse_args(
+        (script_class, DatasetArguments, LoraArguments, config_class, CPUOptions),
         argv,
         prog=prog,
         description=description,
         kit_defaults=kit_defaults,
     )
-    return run_onpolicy(trainer_class, script, data, lora, config)
+    return run_onpolicy(trainer_class, script, data, lora, config, cpu_options)

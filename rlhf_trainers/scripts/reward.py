@@ -64,10 +64,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     names the command in ``--help`` and errors."""
     from transformers import AutoTokenizer
 
+    from ..cpu import CPUOptions
     from ..reward import RewardConfig, RewardTrainer
 
-    script, data, lora, config = parse_args(
-        (RewardScriptArguments, DatasetArguments, LoraArguments, RewardConfig),
+    script, data, lora, config, cpu_options = parse_args(
+        (RewardScriptArguments, DatasetArguments, LoraArguments, RewardConfig, CPUOptions),
         argv,
         prog=prog,
         description=DESCRIPTION,
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         eval_dataset=test,
         processing_class=tokenizer,
         peft_config=lora.peft_config("SEQ_CLS"),
+        cpu_options=cpu_options,
     )
     trainer.train(resume_from_checkpoint=resume_argument(config))
     metrics: dict[str, Any] = trainer.evaluate() if test is not None else {}
