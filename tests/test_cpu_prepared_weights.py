@@ -129,7 +129,7 @@ def test_evaluate_prepares_the_weights_once_per_weight_version(kit, tmp_path, bu
     assert builds["merged"] == merged_so_far + adapted
     assert not cpu_lean._KEPT
     # The same numbers as with copies made at every sampling call (the context switched off).
-    monkeypatch.setattr(type(trainer), "_prepared_weights_kept", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(trainer.sampler, "prepared_weights_kept", lambda: contextlib.nullcontext())
     builds["packed"] = 0
     assert trainer.evaluate() == kept
     assert builds["packed"] == 3 * packed_once
