@@ -11,11 +11,11 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from rlhf_trainers import functional as F
+from rlhf_trainers.generation import render_prompts
 from rlhf_trainers.models import get_reward_normalization, set_reward_normalization
-from rlhf_trainers.reward_sources import (
+from rlhf_trainers.rewards import (
     RewardSources,
     join_prompt_completion,
-    render_prompts,
     score_ids,
     score_texts,
 )
@@ -248,7 +248,7 @@ def test_zero3_gather_only_without_a_forward(tok, llama, monkeypatch):
     not."""
     import contextlib
 
-    import rlhf_trainers.reward_sources as reward_sources
+    import rlhf_trainers.rewards.model as reward_model_module
 
     gathered = []
 
@@ -257,7 +257,7 @@ def test_zero3_gather_only_without_a_forward(tok, llama, monkeypatch):
         gathered.append(models)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(reward_sources, "gathered", spy)
+    monkeypatch.setattr(reward_model_module, "gathered", spy)
     ids, decoded = rollout(tok, PROMPTS, COMPLETIONS)
     sources = RewardSources(policy_tokenizer=tok, reward_model=llama)
     sources(query_response_ids=ids, prompts=PROMPTS, completions=decoded)

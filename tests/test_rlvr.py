@@ -1,4 +1,4 @@
-"""rlhf_trainers.rlvr (verifiable-reward tasks) and examples/rlvr.py: the reward and success functions on
+"""rlhf_trainers.rewards.rlvr (verifiable-reward tasks) and examples/rlvr.py: the reward and success functions on
 hand-written completions (empty, extra text, cut off without EOS, whitespace and periods, chat messages),
 deterministic disjoint splits, the module's standard-library-only import, and PPO/RLOO on the kit's tiny
 Llama with the task's columns reaching the reward function."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
-from rlhf_trainers.rlvr import (
+from rlhf_trainers.rewards.rlvr import (
     TASKS,
     count_words,
     reward_function,
@@ -135,7 +135,7 @@ def test_rows_are_deterministic_disjoint_and_graded_by_their_columns(task):
 
 def test_module_imports_only_the_standard_library():
     """Another virtual environment (TRL's, in benchmarks/) loads rlvr.py by path."""
-    path = REPO_ROOT / "rlhf_trainers" / "rlvr.py"
+    path = REPO_ROOT / "rlhf_trainers" / "rewards" / "rlvr.py"
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('rlvr', {str(path)!r})\n"

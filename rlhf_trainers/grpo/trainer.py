@@ -25,7 +25,7 @@ import torch
 from .. import functional as F
 from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 from ..onpolicy.trainer import OnPolicyTrainer
-from ..reward_sources import split_reward_funcs
+from ..rewards import split_reward_funcs
 from .config import GRPOConfig
 
 if TYPE_CHECKING:

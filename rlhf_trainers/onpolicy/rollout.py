@@ -329,6 +329,7 @@ class RolloutSteps:
             completions=completions,
             columns=samples.columns,
             reward_model_forward=self._reward_forward,
+            prompt_width=samples.query.shape[1],
         )
         errors = torch.tensor(float(self.reward_sources.last_errors), device=device)
         found_stop = (

@@ -43,7 +43,7 @@ from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import _is_peft_model, readable_pad_id
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpointMixin, reliability_callback
-from ..reward_sources import RewardSources
+from ..rewards import RewardSources
 from .balance import rebalance
 from .checkpoint import CheckpointMixin
 from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
