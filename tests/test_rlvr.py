@@ -19,8 +19,10 @@ from rlhf_trainers.rewards.rlvr import (
     TASKS,
     count_words,
     reward_function,
+    reward_source,
     success,
     success_function,
+    success_source,
     task_dataset,
     task_rows,
 )
@@ -97,6 +99,31 @@ def test_success_function_is_success_under_the_name_success():
         1.0,
         0.0,
     ]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_graders_are_reward_sources(task):
+    """``reward_source``/``success_source`` give the graders behind the RewardSource protocol: the same
+    values as the functions, as float32 tensors, named as the functions."""
+    import torch
+
+    from rlhf_trainers.rewards import RewardBatch, RewardSource
+
+    rows = task_rows(task, "test", n=4)
+    completions = ["19", "seven plus twelve", "Warm busy fragrant kitchen.", ""]
+    column = "answer" if task == "addition" else "num_words"
+    batch = RewardBatch(
+        prompts=[r["prompt"] for r in rows],
+        completions=completions,
+        columns={column: [r[column] for r in rows]},
+    )
+    for source, func in (
+        (reward_source(task), reward_function(task)),
+        (success_source(task), success_function(task)),
+    ):
+        assert isinstance(source, RewardSource) and source.name == func.__name__
+        expected = func(prompts=list(batch.prompts), completions=completions, **batch.columns)
+        torch.testing.assert_close(source.score(batch), torch.tensor(expected, dtype=torch.float32))
 
 
 def test_grading_errors_name_the_problem():
