@@ -67,7 +67,7 @@ class RewardSource(Protocol):
     used when present: ``check(batch)``, called on every source before any source scores (to refuse a
     batch early, e.g. a missing dataset column), and ``last_errors``, the number of rows of the last
     ``score`` call that could not be scored because the source failed (summed into
-    ``objective/reward_func_errors``). A source is given to the trainers in ``reward_funcs``, next to
+    ``rollout/reward_func_errors``). A source is given to the trainers in ``reward_funcs``, next to
     plain functions, and weighted by ``reward_weights`` like them.
 
     Example::
