@@ -1,5 +1,5 @@
 """Learning against TRL on a real model (issue #21): the held-out success rate of SmolLM2-135M-Instruct on
-a verifiable-reward task (``rlhf_trainers/rlvr.py``) against episodes, for our RLOOTrainer and the newest
+a verifiable-reward task (``rlhf_trainers/rewards/rlvr.py``) against episodes, for our RLOOTrainer and the newest
 TRL's RLOOTrainer (optionally our PPOTrainer too), several seeds each.
 
 The sibling of ``learning_vs_trl.py`` (the offline kit's task): every run is a worker process
@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 from learning_vs_trl import learning_settings, run_prepare  # noqa: E402
 from vs_trl import DEFAULT_WORK, git_state, machine_name, run_worker  # noqa: E402
 
-TASK_PY = ROOT / "rlhf_trainers" / "rlvr.py"
+TASK_PY = ROOT / "rlhf_trainers" / "rewards" / "rlvr.py"
 VENVS = HERE / ".venvs"
 NAME = "learning_vs_trl_real"
 #: (impl, algo) pairs this benchmark can run: TRL's PPO (1.12) takes only a reward model, see NOTES.
@@ -347,7 +347,7 @@ def write(report: dict[str, Any], out: Path, tag: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default="addition", help="a task of rlhf_trainers/rlvr.py (TASKS)")
+    parser.add_argument("--task", default="addition", help="a task of rlhf_trainers/rewards/rlvr.py (TASKS)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--algos", default="rloo", help="rloo (ours and TRL's), ppo (ours only: see NOTES)")
     parser.add_argument("--impls", default="ours,trl", help="which sides to run (debugging: one of them)")

@@ -1,5 +1,5 @@
 """RLVR learning curves on the real model: SmolLM2-135M-Instruct, PPO, RLOO and GRPO with LoRA, several seeds,
-held-out strict success of an :mod:`rlhf_trainers.rlvr` task against episodes.
+held-out strict success of an :mod:`rlhf_trainers.rewards.rlvr` task against episodes.
 
 Each run is ``examples/rlvr.py`` in its own process on one torch thread (``OMP_NUM_THREADS=1``), one at a
 time, with the settings below passed as flags (the same for all trainers: 32 completions per update,

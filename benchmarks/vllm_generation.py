@@ -69,7 +69,7 @@ def worker(
     from peft import LoraConfig
 
     from rlhf_trainers import CPUOptions, PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
-    from rlhf_trainers.rlvr import reward_function, task_dataset
+    from rlhf_trainers.rewards.rlvr import reward_function, task_dataset
     from rlhf_trainers.testing.smollm2 import load_smollm2_tokenizer, smollm2_folder
 
     common: dict[str, Any] = {

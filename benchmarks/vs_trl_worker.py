@@ -28,7 +28,7 @@ folders with their tokenizer), ``prompts`` (a JSON file with "train" and "test" 
   prompts before training and every ``eval_every`` updates.
 
 Real-model learning runs (``learning_vs_trl_real.py``) add ``task``: ``{"py": a task module with the API
-of rlhf_trainers/rlvr.py, loaded by file path, "name": its task, "rows": a JSON file with "train" and
+of rlhf_trainers/rewards/rlvr.py, loaded by file path, "name": its task, "rows": a JSON file with "train" and
 "test" lists of rows}``; every row is ``{"prompt": chat messages, **columns}``. Both sides then train on
 the train rows with the task's reward function (which must receive the rows' columns: the worker checks
 it on every call and records the keyword names in ``reward_kwargs_seen``), ``settings.lora`` (r, alpha)
@@ -167,7 +167,7 @@ def load_true_reward(task_py: str) -> Callable[..., list[float]]:
 
 
 def load_task_module(task_py: str) -> Any:
-    """A task module with the API of ``rlhf_trainers/rlvr.py`` (standard library at module level), by path."""
+    """A task module with the API of ``rlhf_trainers/rewards/rlvr.py`` (standard library at module level), by path."""
     spec = importlib.util.spec_from_file_location("_rlvr_task_standalone", task_py)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

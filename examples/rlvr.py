@@ -1,9 +1,9 @@
 """Train a real model with verifiable rewards (RLVR): SmolLM2-135M-Instruct, a task graded by code, PPO,
 RLOO or GRPO with LoRA, reward functions only (no reward model).
 
-The tasks are in :mod:`rlhf_trainers.rlvr` (``addition``: "What is 7 + 12? Reply with the number only.";
+The tasks are in :mod:`rlhf_trainers.rewards.rlvr` (``addition``: "What is 7 + 12? Reply with the number only.";
 ``word_count``: "Describe the ocean in exactly 4 words."). The policy trains on the task's shaped reward
-function; the strict held-out score (:func:`rlhf_trainers.rlvr.success`, 0/1 per completion) is logged
+function; the strict held-out score (:func:`rlhf_trainers.rewards.rlvr.success`, 0/1 per completion) is logged
 beside it with weight 0 and measured on the test prompts before training and every ``--eval_steps``
 updates. The curve (held-out success and mean reward against updates and episodes) is written as JSON to
 ``--curve_file`` (default ``<output_dir>/rlvr_curve.json``).
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_trainers.rlvr import TASKS, reward_function, success_function, task_dataset
+from rlhf_trainers.rewards.rlvr import TASKS, reward_function, success_function, task_dataset
 from rlhf_trainers.scripts._common import LoraArguments, flag_given, parse_args, report, resume_argument
 
 TRAINERS = ("ppo", "rloo", "grpo")

@@ -555,7 +555,7 @@ def check_pad_token_use(
 
     The policy, reference and value models get explicit attention masks, so for them padding is never
     mistaken for text. A reward model that scores the policy's token ids (same tokenizer) is different:
-    it finds the real tokens as those that are not the pad id (:func:`rlhf_trainers.reward_sources.score_ids`).
+    it finds the real tokens as those that are not the pad id (:func:`rlhf_trainers.rewards.score_ids`).
 
     - A prompt holding a dedicated pad token (not also EOS, BOS or UNK): error, the prompts look padded
       already (the trainer pads each batch itself).

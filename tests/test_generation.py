@@ -251,7 +251,7 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
 
 
 def test_reward_normalization_samples_through_the_interface(kit, monkeypatch):
-    from rlhf_trainers.reward_sources import sample_completions
+    from rlhf_trainers.generation import sample_completions
 
     policy = kit.load_model("llama-sft")
     tok = kit.load_tokenizer()

@@ -16,7 +16,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_trainers import PPOConfig, PPOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
 from rlhf_trainers.generation import BuiltinSampling, SamplingSettings, TransformersGenerate
-from rlhf_trainers.reward_sources import score_ids, score_texts
+from rlhf_trainers.rewards import score_ids, score_texts
 
 KIT_PAD = 1  # "<|pad|>", a row of the kit's embedding tables
 NEW_PAD = 627  # "[PAD]", added past them

@@ -24,7 +24,7 @@ from rlhf_trainers.packing import (
     padding_free_matches,
     segment_attention,
 )
-from rlhf_trainers.reward_sources import score_ids, score_texts
+from rlhf_trainers.rewards import score_ids, score_texts
 from tests import test_ppo, test_rloo
 
 ARCHITECTURES = ("llama", "gpt2", "gpt_neox")
@@ -645,8 +645,9 @@ def test_packed_reward_scores_equal_padded_ones(kit, name, monkeypatch):
 
 
 def _count_packed_scoring(monkeypatch) -> list:
-    """The (B, T) shapes of the chunks that reward_sources scores packed, from now on."""
-    from rlhf_trainers import packing, reward_sources
+    """The (B, T) shapes of the chunks that the reward model source scores packed, from now on."""
+    from rlhf_trainers import packing
+    from rlhf_trainers.rewards import model as reward_model_module
 
     calls = []
     original = packing.packed_pooled_scores
@@ -655,7 +656,7 @@ def _count_packed_scoring(monkeypatch) -> list:
         calls.append(tuple(args[1].shape))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(reward_sources, "packed_pooled_scores", counted)
+    monkeypatch.setattr(reward_model_module, "packed_pooled_scores", counted)
     return calls
 
 
@@ -693,9 +694,9 @@ def test_the_trainer_scores_texts_with_another_tokenizer_packed(kit, tmp_path, m
     with torch.no_grad():
         samples = _with_short_responses(trainer, trainer.producer.sample(trainer.producer.prompt_batch(0), 2))
         packed = trainer.producer.score(samples).total
-        assert sources._pack_reward is True and calls
+        assert sources.model_source._pack_reward is True and calls
         calls.clear()
-        sources._pack_reward = False
+        sources.model_source._pack_reward = False
         padded = trainer.producer.score(samples).total
     assert not calls
     torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)
@@ -708,7 +709,7 @@ def test_the_trainer_scores_with_the_reward_model_packed(kit, tmp_path):
     with torch.no_grad():
         samples = _with_short_responses(trainer, trainer.producer.sample(trainer.producer.prompt_batch(0), 2))
         packed = trainer.producer.score(samples).total
-        assert sources._pack_reward is True
-        sources._pack_reward = False
+        assert sources.model_source._pack_reward is True
+        sources.model_source._pack_reward = False
         padded = trainer.producer.score(samples).total
     torch.testing.assert_close(packed, padded, rtol=0, atol=ATOL)

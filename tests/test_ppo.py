@@ -277,7 +277,7 @@ def test_reward_model_with_a_different_tokenizer(kit, tmp_path):
     logged = next(h for h in trainer.state.log_history if "objective/scores" in h)
     assert math.isfinite(logged["objective/scores"])
     rollout = trainer._last_rollout
-    from rlhf_trainers.reward_sources import join_prompt_completion, score_texts
+    from rlhf_trainers.rewards import join_prompt_completion, score_texts
 
     alt = kit.load_tokenizer("alt")
     texts = [

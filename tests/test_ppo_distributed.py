@@ -44,7 +44,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_trainers.models import load_reward_model
 from rlhf_trainers.ppo.trainer import value_model_from_policy
-from rlhf_trainers.reward_sources import RewardSources
+from rlhf_trainers.rewards import RewardSources
 from rlhf_trainers.testing import true_reward
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

@@ -12,12 +12,13 @@ import torch.nn.functional as torch_F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf_trainers import RewardConfig, RewardTrainer
+from rlhf_trainers.generation import sample_completions
 from rlhf_trainers.models import (
     REWARD_NORMALIZATION_FILE,
     get_reward_normalization,
     load_reward_model,
 )
-from rlhf_trainers.reward_sources import join_prompt_completion, sample_completions, score_texts
+from rlhf_trainers.rewards import join_prompt_completion, score_texts
 
 
 def _config(tmp_path, **overrides) -> RewardConfig:

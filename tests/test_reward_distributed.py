@@ -19,8 +19,9 @@ import pytest
 import torch
 from distributed import REPO_ROOT, parameter_digest, read_rank_results, requires_deepspeed, run_script
 
+from rlhf_trainers.generation import sample_completions
 from rlhf_trainers.models import get_reward_normalization, load_reward_model
-from rlhf_trainers.reward_sources import join_prompt_completion, sample_completions, score_texts
+from rlhf_trainers.rewards import join_prompt_completion, score_texts
 from rlhf_trainers.testing import OfflineKit
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

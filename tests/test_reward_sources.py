@@ -1,4 +1,5 @@
-"""RewardSources: the reward model (policy token ids or re-tokenized text) and reward functions, weighted."""
+"""rlhf_trainers.rewards: the reward model (policy token ids or re-tokenized text), reward functions and
+sources of one's own behind the RewardSource protocol, weighted by RewardSources."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from rlhf_trainers import functional as F
+from rlhf_trainers.generation import render_prompts
 from rlhf_trainers.models import get_reward_normalization, set_reward_normalization
-from rlhf_trainers.reward_sources import (
+from rlhf_trainers.rewards import (
+    RewardBatch,
+    RewardFunctionSource,
+    RewardModelSource,
+    RewardSource,
     RewardSources,
     join_prompt_completion,
-    render_prompts,
+    rlvr,
     score_ids,
     score_texts,
 )
@@ -248,7 +254,7 @@ def test_zero3_gather_only_without_a_forward(tok, llama, monkeypatch):
     not."""
     import contextlib
 
-    import rlhf_trainers.reward_sources as reward_sources
+    import rlhf_trainers.rewards.model as reward_model_module
 
     gathered = []
 
@@ -257,7 +263,7 @@ def test_zero3_gather_only_without_a_forward(tok, llama, monkeypatch):
         gathered.append(models)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(reward_sources, "gathered", spy)
+    monkeypatch.setattr(reward_model_module, "gathered", spy)
     ids, decoded = rollout(tok, PROMPTS, COMPLETIONS)
     sources = RewardSources(policy_tokenizer=tok, reward_model=llama)
     sources(query_response_ids=ids, prompts=PROMPTS, completions=decoded)
@@ -720,6 +726,184 @@ def test_position_ids_from_mask_matches_what_score_ids_assumes(tok):
     for row in range(2):
         real = mask[row].nonzero().flatten()
         assert positions[row, real].tolist() == list(range(len(real)))
+
+
+# --------------------------------------------------------------------------------------------------
+# The RewardSource protocol: sources of one's own, next to the built-in ones
+# --------------------------------------------------------------------------------------------------
+
+
+class LengthPenalty:
+    """A reward source of one's own: minus the number of response tokens (read from the policy's ids)
+    over ``scale``."""
+
+    name = "length_penalty"
+
+    def __init__(self, scale: float = 10.0) -> None:
+        self.scale = scale
+        self.batches: list[RewardBatch] = []
+
+    def score(self, batch: RewardBatch) -> torch.Tensor:
+        self.batches.append(batch)
+        ids = batch.completion_ids
+        return -(ids != batch.pad_token_id).sum(1).float() / self.scale
+
+
+def test_built_in_sources_implement_the_protocol(tok, llama):
+    sources = RewardSources(
+        policy_tokenizer=tok, reward_model=llama, reward_funcs=[true_reward, LengthPenalty()]
+    )
+    assert all(isinstance(source, RewardSource) for source in sources.sources)
+    model_source, function_source, own = sources.sources
+    assert isinstance(model_source, RewardModelSource) and model_source is sources.model_source
+    assert isinstance(function_source, RewardFunctionSource) and function_source.func is true_reward
+    assert isinstance(own, LengthPenalty)
+    assert sources.names == ["reward_model", "true_reward", "length_penalty"]
+    assert [rlvr.reward_source("addition").name, rlvr.success_source("addition").name] == [
+        "addition_reward",
+        "success",
+    ]
+    assert isinstance(rlvr.reward_source("word_count"), RewardSource)
+
+
+def test_a_source_of_ones_own_is_weighted_like_a_function(tok, llama):
+    """A source gets the batch the functions see, with the policy's ids and the prompts' width, and counts
+    in the total with its weight; alone it gives what the combiner reports for it."""
+    ids, decoded = rollout(tok, PROMPTS, COMPLETIONS)
+    width = ids.shape[1] - max(len(tok(c)["input_ids"]) + 1 for c in COMPLETIONS) - 2
+    penalty = LengthPenalty()
+    sources = RewardSources(
+        policy_tokenizer=tok,
+        reward_model=llama,
+        reward_funcs=[true_reward, penalty],
+        reward_weights=[1.0, 0.5, 2.0],
+    )
+    total, per_source = sources(
+        query_response_ids=ids,
+        prompts=PROMPTS,
+        completions=decoded,
+        columns={"topic": list("abcde")},
+        prompt_width=width,
+    )
+    (batch,) = penalty.batches
+    assert list(batch.prompts) == PROMPTS and list(batch.completions) == decoded and len(batch) == 5
+    assert batch.columns == {"topic": list("abcde")} and batch.query_response_ids is ids
+    lengths = torch.tensor([len(tok(c)["input_ids"]) + (c != UNFINISHED) for c in COMPLETIONS])
+    torch.testing.assert_close(per_source["length_penalty"], -lengths.float() / 10)
+    expected = (
+        per_source["reward_model"] + 0.5 * per_source["true_reward"] + 2.0 * per_source["length_penalty"]
+    )
+    torch.testing.assert_close(total, expected)
+    alone_total, _ = RewardSources(policy_tokenizer=tok, reward_funcs=LengthPenalty())(
+        query_response_ids=ids, prompts=PROMPTS, completions=decoded, prompt_width=width
+    )
+    torch.testing.assert_close(alone_total, per_source["length_penalty"])
+
+
+def test_a_source_is_checked_first_and_its_scores_must_fit(tok):
+    ids, decoded = rollout(tok, PROMPTS, COMPLETIONS)
+    order = []
+
+    class Refuses:
+        name = "refuses"
+
+        def check(self, batch: RewardBatch) -> None:
+            order.append("check")
+            raise ValueError("refused before scoring")
+
+        def score(self, batch: RewardBatch) -> torch.Tensor:
+            raise AssertionError("scored after its check refused the batch")
+
+    def first(prompts, completions, **kwargs):
+        order.append("first")
+        return [0.0] * len(prompts)
+
+    with pytest.raises(ValueError, match="refused before scoring"):
+        RewardSources(policy_tokenizer=tok, reward_funcs=[first, Refuses()])(
+            query_response_ids=ids, prompts=PROMPTS, completions=decoded
+        )
+    assert order == ["check"]
+
+    class TooFew:
+        name = "too_few"
+
+        def score(self, batch: RewardBatch) -> list[float]:
+            return [1.0] * (len(batch) - 1)
+
+    with pytest.raises(
+        ValueError, match=r"reward source 'too_few' returned scores of shape \(4,\) for a batch of 5"
+    ):
+        RewardSources(policy_tokenizer=tok, reward_funcs=TooFew())(
+            query_response_ids=ids, prompts=PROMPTS, completions=decoded
+        )
+    with pytest.raises(ValueError, match="carries no completion ids"):
+        RewardSources(policy_tokenizer=tok, reward_funcs=LengthPenalty())(
+            query_response_ids=ids, prompts=PROMPTS, completions=decoded
+        )
+
+
+def test_a_failing_source_counts_its_rows(tok):
+    """``last_errors`` of every source is summed (a function skipped under ``on_error='skip'``, or a
+    source of one's own that reports rows it could not score)."""
+    ids, decoded = rollout(tok, PROMPTS, COMPLETIONS)
+
+    class Partial:
+        name = "partial"
+        last_errors = 0
+
+        def score(self, batch: RewardBatch) -> torch.Tensor:
+            self.last_errors = 2
+            return torch.tensor([1.0, 1.0, 1.0, math.nan, math.nan])
+
+    def broken(prompts, completions, **kwargs):
+        raise RuntimeError("down")
+
+    sources = RewardSources(policy_tokenizer=tok, reward_funcs=[broken, Partial()], on_error="skip")
+    total, per_source = sources(query_response_ids=ids, prompts=PROMPTS, completions=decoded)
+    assert sources.last_errors == 5 + 2
+    assert per_source["broken"].isnan().all() and total.isnan().all()
+    assert per_source["partial"][:3].tolist() == [1.0] * 3
+
+
+def test_a_source_of_ones_own_plugs_into_a_trainer(kit, tmp_path):
+    """A class implementing the protocol goes into GRPO's ``reward_funcs`` beside a function, with no engine
+    change: it scores every rollout batch and its metric ``objective/scores/<name>`` is logged."""
+    from rlhf_trainers import GRPOConfig, GRPOTrainer
+
+    penalty = LengthPenalty()
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        num_sample_generations=0,
+        disable_tqdm=True,
+        reward_weights=[1.0, 0.5],
+    )
+    trainer = GRPOTrainer(
+        model=kit.load_model("llama-sft"),
+        reward_funcs=[true_reward, penalty],
+        args=args,
+        train_dataset=kit.prompt_dataset("train", n=32),
+        processing_class=kit.load_tokenizer(),
+    )
+    assert trainer.reward_sources.names == ["true_reward", "length_penalty"]
+    trainer.train()
+    assert len(penalty.batches) == 2
+    batch = penalty.batches[0]
+    assert len(batch) == 8 and batch.completion_ids.shape == (8, 8)
+    logged = [entry for entry in trainer.state.log_history if "objective/scores/length_penalty" in entry]
+    assert len(logged) == 2
+    for entry in logged:
+        assert -0.8 <= entry["objective/scores/length_penalty"] < 0  # 1 to 8 tokens, over 10
+        assert "objective/scores/true_reward" in entry
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""rlhf_trainers.rlvr (verifiable-reward tasks) and examples/rlvr.py: the reward and success functions on
+"""rlhf_trainers.rewards.rlvr (verifiable-reward tasks) and examples/rlvr.py: the reward and success functions on
 hand-written completions (empty, extra text, cut off without EOS, whitespace and periods, chat messages),
 deterministic disjoint splits, the module's standard-library-only import, and PPO/RLOO on the kit's tiny
 Llama with the task's columns reaching the reward function."""
@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
-from rlhf_trainers.rlvr import (
+from rlhf_trainers.rewards.rlvr import (
     TASKS,
     count_words,
     reward_function,
+    reward_source,
     success,
     success_function,
+    success_source,
     task_dataset,
     task_rows,
 )
@@ -99,6 +101,31 @@ def test_success_function_is_success_under_the_name_success():
     ]
 
 
+@pytest.mark.parametrize("task", TASKS)
+def test_graders_are_reward_sources(task):
+    """``reward_source``/``success_source`` give the graders behind the RewardSource protocol: the same
+    values as the functions, as float32 tensors, named as the functions."""
+    import torch
+
+    from rlhf_trainers.rewards import RewardBatch, RewardSource
+
+    rows = task_rows(task, "test", n=4)
+    completions = ["19", "seven plus twelve", "Warm busy fragrant kitchen.", ""]
+    column = "answer" if task == "addition" else "num_words"
+    batch = RewardBatch(
+        prompts=[r["prompt"] for r in rows],
+        completions=completions,
+        columns={column: [r[column] for r in rows]},
+    )
+    for source, func in (
+        (reward_source(task), reward_function(task)),
+        (success_source(task), success_function(task)),
+    ):
+        assert isinstance(source, RewardSource) and source.name == func.__name__
+        expected = func(prompts=list(batch.prompts), completions=completions, **batch.columns)
+        torch.testing.assert_close(source.score(batch), torch.tensor(expected, dtype=torch.float32))
+
+
 def test_grading_errors_name_the_problem():
     with pytest.raises(ValueError, match="unknown RLVR task 'nope'"):
         reward_function("nope")
@@ -135,7 +162,7 @@ def test_rows_are_deterministic_disjoint_and_graded_by_their_columns(task):
 
 def test_module_imports_only_the_standard_library():
     """Another virtual environment (TRL's, in benchmarks/) loads rlvr.py by path."""
-    path = REPO_ROOT / "rlhf_trainers" / "rlvr.py"
+    path = REPO_ROOT / "rlhf_trainers" / "rewards" / "rlvr.py"
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('rlvr', {str(path)!r})\n"

@@ -472,7 +472,7 @@ def test_kit_reward_model_ranks_the_empty_completion_by_the_hidden_rule(kit, rew
     """The empty completion (true reward 0) scores below a positive completion and above a negative one on
     every held-out prompt: a reward model that ranked it near the top let GRPO learn to stop at once."""
     from rlhf_trainers.models import load_reward_model
-    from rlhf_trainers.reward_sources import score_texts
+    from rlhf_trainers.rewards import score_texts
 
     model, _ = load_reward_model(reward_model_dir)
     tokenizer = kit.load_tokenizer()
@@ -495,7 +495,7 @@ def test_kit_reward_model_prefers_the_denser_sentence_at_the_eos(kit, reward_mod
     " great and great ." (2/3) on every held-out prompt, and " nice ." above " really nice ." (1/2): a
     reward model that scored them alike let GRPO policies settle on the diluted form (issue #23)."""
     from rlhf_trainers.models import load_reward_model
-    from rlhf_trainers.reward_sources import score_texts
+    from rlhf_trainers.rewards import score_texts
 
     model, _ = load_reward_model(reward_model_dir)
     tokenizer = kit.load_tokenizer()

@@ -14,6 +14,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
 
+#: A prompt as a dataset holds it: a string, or chat messages (``{"role": ..., "content": ...}``).
+Prompt = str | list[dict[str, str]]
+
+
 def describe(value: Any) -> str:
     """Type of `value` for error messages, with a short preview: "int (3)", "list of int ([1, 2, ...])"."""
     preview = repr(value)

@@ -48,7 +48,7 @@ def sample_groups(
     batch_size: int = 64,
 ) -> list[SampleGroup]:
     """``samples_per_prompt`` completions of each prompt from ``policy``, sampled through the trainers'
-    generation interface (:func:`rlhf_trainers.reward_sources.sample_responses`: the builtin loop, the full
+    generation interface (:func:`rlhf_trainers.generation.sample_responses`: the builtin loop, the full
     distribution at ``temperature``, stop at EOS).
 
     The prompts are tokenized as the trainers tokenize them (:func:`rlhf_trainers.data.tokenize_prompts`:
@@ -57,7 +57,7 @@ def sample_groups(
     from datasets import Dataset
 
     from ..data import tokenize_prompts
-    from ..reward_sources import sample_responses
+    from ..generation import sample_responses
 
     if samples_per_prompt < 2:
         raise ValueError(

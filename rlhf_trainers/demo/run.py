@@ -152,7 +152,7 @@ def _normalize_on_samples(trainer: Any, task: Task, num_samples: int = 128) -> N
     rollouts), the first ``num_samples`` of them, so that they get mean 0 and std 1."""
     from .. import functional as F
     from ..models import set_reward_normalization
-    from ..reward_sources import score_ids
+    from ..rewards import score_ids
     from .preferences import right_padded, sequences
 
     model = trainer.model

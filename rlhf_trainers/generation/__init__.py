@@ -5,8 +5,9 @@ A backend (:class:`GenerationBackend`) samples completions of left-padded prompt
 asked, each token's log-prob and each step's entropy. Two backends exist: the builtin loop
 (:class:`BuiltinSampling`) and ``transformers``' ``generate()`` (:class:`TransformersGenerate`). The
 on-policy trainers choose one once, at construction (:func:`make_generation_backend`), and print its
-name in the batch accounting; reward normalization samples through the same interface. See
-docs/generation.md.
+name in the batch accounting. Sampling from a policy outside a trainer (reward normalization, the demo's
+preference labelling) goes through the same interface, in one place: :func:`sample_completions` and
+:func:`sample_responses` (:mod:`.standalone`). See docs/generation.md.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .builtin import (
     shared_prompt_rows,
 )
 from .factory import GENERATION_LOOPS, make_generation_backend
+from .standalone import render_prompts, sample_completions, sample_responses
 from .transformers_generate import TransformersGenerate, generation_config_set_aside
 
 __all__ = [
@@ -49,6 +51,9 @@ __all__ = [
     "draw_multinomial",
     "generation_config_set_aside",
     "make_generation_backend",
+    "render_prompts",
+    "sample_completions",
+    "sample_responses",
     "sample_with_kv_cache",
     "shared_prompt_rows",
 ]

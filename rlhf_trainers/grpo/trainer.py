@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..onpolicy.trainer import OnPolicyTrainer
-from ..reward_sources import split_reward_funcs
+from ..rewards import split_reward_funcs
 from .config import GRPOConfig
 from .objective import GRPOObjective
 
@@ -42,7 +42,8 @@ class GRPOTrainer(OnPolicyTrainer):
         model: the policy: a path, Hub id or causal-LM instance (or a PeftModel).
         reward_funcs: one reward or a list of them, each a function ``f(prompts, completions, **columns)
             -> list[float | None]`` (TRL's signature: the dataset's other columns arrive as keyword
-            arguments), or a one-label sequence-classification model (instance or path; at most one).
+            arguments), a reward source (:class:`rlhf_trainers.rewards.RewardSource`), or a one-label
+            sequence-classification model (instance or path; at most one).
             Weighted by ``GRPOConfig.reward_weights`` in the order given; ``None`` leaves a completion out.
         args: a :class:`GRPOConfig`.
         train_dataset / eval_dataset: prompts (``prompt`` text or chat messages, ``messages``, or

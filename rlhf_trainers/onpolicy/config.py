@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 from ..functional import IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, get_policy_loss
 from ..generation.factory import GENERATION_LOOPS
 from ..reliability import ReliabilityArguments
-from ..reward_sources import REWARD_ERROR_MODES
+from ..rewards import REWARD_ERROR_MODES
 
 #: The error for torch_compile=True under DeepSpeed (config and trainer).
 TORCH_COMPILE_WITH_DEEPSPEED = (

@@ -178,6 +178,7 @@ class SingleTurnProducer:
             completions=completions,
             columns=samples.columns,
             reward_model_forward=self.engine.passes.reward_forward,
+            prompt_width=samples.query.shape[1],
         )
         errors = torch.tensor(float(self.engine.reward_sources.last_errors), device=device)
         found_stop = (

@@ -47,7 +47,7 @@ from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpoints, reliability_callback
-from ..reward_sources import RewardSources
+from ..rewards import RewardSources
 from . import checkpoint, evaluation
 from .balance import rebalance
 from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig

@@ -94,7 +94,8 @@ class PPOTrainer(OnPolicyTrainer):
             (masked) padding instead, which gives the numbers of an in-vocabulary pad token.
         train_dataset / eval_dataset: prompts: a ``prompt`` column of text or chat messages, a
             ``messages`` column, or ``input_ids``; other columns are passed to reward functions.
-        reward_funcs: ``f(prompts, completions, **columns) -> list[float]`` or a list of them, weighted by
+        reward_funcs: ``f(prompts, completions, **columns) -> list[float]``, a reward source
+            (:class:`rlhf_trainers.rewards.RewardSource`), or a list of them, weighted by
             ``PPOConfig.reward_weights`` (reward model first).
         peft_config: a PEFT config applied to ``model`` (LoRA).
         callbacks, optimizers, data_collator: as in ``transformers.Trainer``.

@@ -37,7 +37,7 @@ from ..models import (
     write_reward_normalization,
 )
 from ..reliability import AtomicCheckpointMixin, check_resume_process_count, reliability_callback
-from ..reward_sources import Prompt, compute_reward_normalization
+from ..rewards import Prompt, compute_reward_normalization
 from .config import RewardConfig
 
 if TYPE_CHECKING:

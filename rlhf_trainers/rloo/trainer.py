@@ -26,7 +26,7 @@ import torch
 
 from .. import functional as F
 from ..onpolicy.trainer import OnPolicyTrainer
-from ..reward_sources import split_reward_funcs
+from ..rewards import split_reward_funcs
 from .config import RLOOConfig
 from .objective import RLOOObjective
 
@@ -66,7 +66,8 @@ class RLOOTrainer(OnPolicyTrainer):
             (masked) padding instead, which gives the numbers of an in-vocabulary pad token.
         train_dataset / eval_dataset: prompts (``prompt`` text or chat messages, ``messages``, or
             ``input_ids``); other columns are passed to reward functions.
-        reward_funcs: ``f(prompts, completions, **columns) -> list[float]`` or a list of them, weighted by
+        reward_funcs: ``f(prompts, completions, **columns) -> list[float]``, a reward source
+            (:class:`rlhf_trainers.rewards.RewardSource`), or a list of them, weighted by
             ``RLOOConfig.reward_weights`` (reward model first); as in TRL 1.x, the list may also hold one
             reward model (instance or path; its tokenizer in ``reward_processing_classes``), in which
             case ``reward_weights`` follow the list's order.

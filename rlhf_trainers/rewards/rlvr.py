@@ -23,12 +23,16 @@ text fails the strict score; a completion cut off at the length limit (no EOS) i
 has, which is then longer than a correct answer and fails (the trainers' ``missing_eos_penalty`` can
 penalise it further); special tokens such as ``<|im_end|>`` left in a text are ignored.
 
+Each grader is also a reward source (:class:`rlhf_trainers.rewards.RewardSource`): :func:`reward_source`
+and :func:`success_source` wrap them, for the trainers' ``reward_funcs`` next to any other source.
+
 This module imports only the standard library at module level, so that another virtual environment (for
-instance TRL's, in ``benchmarks/``) can load it by path; :func:`task_dataset` imports ``datasets``.
+instance TRL's, in ``benchmarks/``) can load it by path (``rlhf_trainers/rewards/rlvr.py``);
+:func:`task_dataset` imports ``datasets``, :func:`reward_source` and :func:`success_source` import torch.
 
 Example::
 
-    from rlhf_trainers.rlvr import reward_function, success, task_rows
+    from rlhf_trainers.rewards.rlvr import reward_function, success, task_rows
 
     rows = task_rows("addition", "test", n=2)
     reward_function("addition")(prompts=[r["prompt"] for r in rows], completions=["19", "no idea"],
@@ -45,14 +49,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
+    from .functions import RewardFunctionSource
+
 __all__ = [
     "TASKS",
     "addition_reward",
     "completion_text",
     "count_words",
     "reward_function",
+    "reward_source",
     "success",
     "success_function",
+    "success_source",
     "task_dataset",
     "task_rows",
     "word_count_reward",
@@ -291,3 +299,19 @@ def success_function(task: str) -> Callable[..., list[float]]:
 
     success_.__name__ = success_.__qualname__ = "success"
     return success_
+
+
+def reward_source(task: str) -> RewardFunctionSource:
+    """:func:`reward_function` of `task` as a reward source (named as the function:
+    ``addition_reward``, ``word_count_reward``), for the trainers' ``reward_funcs``."""
+    from .functions import RewardFunctionSource
+
+    return RewardFunctionSource(reward_function(task))
+
+
+def success_source(task: str) -> RewardFunctionSource:
+    """:func:`success_function` of `task` as a reward source named ``success`` (give it weight 0.0 to log
+    the strict score beside the reward without training on it)."""
+    from .functions import RewardFunctionSource
+
+    return RewardFunctionSource(success_function(task))
