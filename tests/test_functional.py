@@ -1171,6 +1171,7 @@ def test_all_lists_public_names():
         "kl",
         "logprob_kernels",
         "losses",
+        "registry",
         "responses",
         "reward_shaping",
         "stats",
@@ -1182,6 +1183,8 @@ def test_all_lists_public_names():
         if not name.startswith("_") and getattr(obj, "__module__", "").startswith(F.__name__ + ".")
     }
     constants = {
+        "ADVANTAGE_ESTIMATORS",
+        "POLICY_LOSSES",
         "IMPORTANCE_SAMPLING_MODES",
         "KL_ESTIMATORS",
         "LOSS_AGG_MODES",

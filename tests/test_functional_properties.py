@@ -674,7 +674,9 @@ def test_bf16_logprobs_and_entropy_in_fp32_match_float64_with_filtered_vocab(
         logits, chunk_size=chunk, compute_dtype=torch.float32, temperature=temperature
     )
     assert torch.isfinite(ent).all()
-    assert (ent >= -1e-5).all() and (ent <= math.log(V) + 1e-4).all()
+    # float32 rounding of -sum p log p near a one-hot distribution (low temperature: logits / T up to ~50)
+    # can leave it a few 1e-5 below 0; the same tolerance as the upper bound.
+    assert (ent >= -1e-4).all() and (ent <= math.log(V) + 1e-4).all()
 
 
 @FAST

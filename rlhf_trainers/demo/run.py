@@ -224,7 +224,7 @@ def _sample(trainer: Any, prompts: list[Any], seed: int) -> list[dict[str, Any]]
     batch = trainer.data_collator([data[i] for i in range(len(data))])
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        _, scores = trainer.sample_and_score(batch)
+        _, scores = trainer.producer.sample_and_score(batch)
     rm_name, true_name = trainer.reward_sources.names
     return [
         {

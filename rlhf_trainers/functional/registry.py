@@ -28,6 +28,16 @@ from torch import Tensor
 from .advantages import gae_advantages, group_advantages, reinforce_plus_plus_advantages, rloo_advantages
 from .losses import clipped_policy_loss
 
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdvantageInputs",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "register_advantage_estimator",
+    "register_policy_loss",
+]
+
 
 @dataclass
 class AdvantageInputs:

@@ -177,21 +177,16 @@ def sample_with_kv_cache(
     ``draw`` picks each step's tokens from the probabilities (:func:`draw_multinomial`: ``generate``'s
     draws; :func:`draw_inverse_cdf`: the same distribution, faster on CPU).
 
-    ``share_prompt_pass``: rows that repeat a prompt (RLOO's and GRPO's k completions per prompt) share its
-    prompt pass: each distinct prompt runs through the model once, and its keys, values and last logits are
-    copied to every row that repeats it (:func:`shared_prompt_rows`). The same arithmetic per row, so the
-    same distribution; only the batch of the prompt pass shrinks (by k for groups of k), which can move
-    the logits by float rounding (a GEMM's summation order may depend on its row count) and so, very
-    rarely, a draw. Off: the prompt pass runs all B rows, as ``generate`` does.
+    ``share_prompt_pass``: rows that repeat a prompt (RLOO's and GRPO's k completions) share its prompt
+    pass: each distinct prompt runs once, and its keys, values and last logits are copied to every row
+    that repeats it (:func:`shared_prompt_rows`): the same distribution, up to the float rounding of a
+    smaller batch, which can very rarely move a draw. Off: all B rows, as ``generate`` does.
 
     ``drop_finished_rows``: once a quarter or more of the rows the model runs have stopped, the decoding
-    steps go on without them (their keys and values are dropped from the cache; the fast steps' or the
-    cache's ``select_rows`` / ``batch_select_indices``; without one, every row runs to the end, as
-    ``generate`` does). A batch whose lengths spread (responses that stop at EOS) then spends its steps on
-    the rows still sampling. The draws stay those of the full batch: ``draw`` is still given all B rows'
-    probabilities (a stopped row's last ones), so the random numbers it consumes, and the tokens of the
-    rows still sampling, are those of the loop without dropping, up to the float rounding of products
-    over fewer rows, which can, rarely, move a draw that falls at the edge of a token's share.
+    steps go on without them (dropped from the cache by the fast steps' ``select_rows`` or the cache's
+    ``batch_select_indices``; without one, every row runs to the end, as ``generate`` does). ``draw`` is
+    still given all B rows' probabilities, so the random numbers it consumes and the tokens drawn are
+    those of the loop without dropping, up to the rounding of products over fewer rows.
     """
     rows = embedding_rows(model)
     input_ids = readable_ids(input_ids, settings.pad_token_id, rows)
@@ -217,13 +212,7 @@ def sample_with_kv_cache(
         droppable = hasattr(getattr(out, "past_key_values", None), "batch_select_indices")
     droppable = droppable and drop_finished_rows and bool(stops.numel())
     for step in range(settings.max_new_tokens):
-        # float32, as generate() does before its logits processors.
-        scores = logits.to(dtype=torch.float32, copy=True)
-        if settings.temperature != 1.0:
-            scores = scores / settings.temperature
-        probs = torch.softmax(scores, dim=-1)
-        # top-k / top-p / min-p restrict what is drawn; the log-probs below stay those of `scores`
-        drawn_from = torch.softmax(filtered_scores(scores, settings), dim=-1) if settings.filters else probs
+        scores, probs, drawn_from = _step_distribution(logits, settings)
         if active is None:
             token = draw(drawn_from)
         else:
@@ -233,11 +222,7 @@ def sample_with_kv_cache(
         # What the model reads back: a stopped row's pad id as an id it has (its outputs are unused).
         fed = readable_ids(token, settings.pad_token_id, rows)
         if settings.return_logprobs:
-            log_probs = torch.log_softmax(scores, dim=-1)
-            chosen = log_probs.gather(1, fed[:, None]).squeeze(1)
-            entropy = -(probs * log_probs).nan_to_num().sum(-1)  # 0 * -inf at masked-out tokens counts 0
-            chosen = torch.where(unfinished, chosen, torch.zeros_like(chosen))
-            entropy = torch.where(unfinished, entropy, torch.zeros_like(entropy))
+            chosen, entropy = _step_logprobs(scores, probs, fed, unfinished)
             logprobs.append(_all_rows(chosen, active, B, 0))
             entropies.append(_all_rows(entropy, active, B, 0))
         if stops.numel():
@@ -264,21 +249,55 @@ def sample_with_kv_cache(
         if steps is not None:
             logits = steps.step(fed, next_position)
         else:
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            out = model(
-                input_ids=fed[:, None],
-                attention_mask=mask,
-                position_ids=next_position,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1, :]
+            logits, out, mask = _forward_step(model, out, mask, fed, next_position)
         next_position = next_position + 1
     return Samples(
         torch.stack(tokens, dim=1),
         torch.stack(logprobs, dim=1) if settings.return_logprobs else None,
         torch.stack(entropies, dim=1) if settings.return_logprobs else None,
     )
+
+
+def _step_distribution(
+    logits: torch.Tensor, settings: SamplingSettings
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoding step's ``(scores, probs, drawn_from)``: the float32 logits / temperature (as generate()
+    computes them before its logits processors), their softmax, and the distribution tokens are drawn
+    from (top-k / top-p / min-p applied; the log-probs stay those of ``scores``)."""
+    scores = logits.to(dtype=torch.float32, copy=True)
+    if settings.temperature != 1.0:
+        scores = scores / settings.temperature
+    probs = torch.softmax(scores, dim=-1)
+    drawn_from = torch.softmax(filtered_scores(scores, settings), dim=-1) if settings.filters else probs
+    return scores, probs, drawn_from
+
+
+def _step_logprobs(
+    scores: torch.Tensor, probs: torch.Tensor, fed: torch.Tensor, unfinished: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-prob of each row's token ``fed`` and the entropy of its step's distribution; 0 in rows
+    that stopped."""
+    log_probs = torch.log_softmax(scores, dim=-1)
+    chosen = log_probs.gather(1, fed[:, None]).squeeze(1)
+    entropy = -(probs * log_probs).nan_to_num().sum(-1)  # 0 * -inf at masked-out tokens counts 0
+    chosen = torch.where(unfinished, chosen, torch.zeros_like(chosen))
+    entropy = torch.where(unfinished, entropy, torch.zeros_like(entropy))
+    return chosen, entropy
+
+
+def _forward_step(
+    model: nn.Module, out: Any, mask: torch.Tensor, fed: torch.Tensor, next_position: torch.Tensor
+) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """One decoding step through the model's forward with its KV cache: ``(logits, out, mask)``."""
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    out = model(
+        input_ids=fed[:, None],
+        attention_mask=mask,
+        position_ids=next_position,
+        past_key_values=out.past_key_values,
+        use_cache=True,
+    )
+    return out.logits[:, -1, :], out, mask
 
 
 def _all_rows(values: torch.Tensor, active: torch.Tensor | None, rows: int, fill: float) -> torch.Tensor:

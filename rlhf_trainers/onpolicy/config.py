@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
 
-from ..functional import IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_AGG_MODES, get_policy_loss
-from ..generation.factory import GENERATION_LOOPS
 from ..reliability import ReliabilityArguments
 from ..rewards import REWARD_ERROR_MODES
+from . import config_checks
 
 #: The error for torch_compile=True under DeepSpeed (config and trainer).
 TORCH_COMPILE_WITH_DEEPSPEED = (
@@ -20,11 +18,6 @@ TORCH_COMPILE_WITH_DEEPSPEED = (
     "(rlhf_trainers.compilation), which was not tried with DeepSpeed's parameter hooks and partitioned "
     "weights. Drop torch_compile, or train without DeepSpeed."
 )
-STOP_TOKENS = ("eos",)
-ROLLOUT_LOGPROBS = ("auto", "forward", "generation")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
-VLLM_IS_MODES = IMPORTANCE_SAMPLING_MODES
 
 
 def named_as_given(error: ValueError, config: Any, aliases: dict[str, str]) -> ValueError:
@@ -534,202 +527,15 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             raise ValueError(
                 f"reward_func_errors={self.reward_func_errors!r}: expected one of {REWARD_ERROR_MODES}."
             )
-        self._check_counts()
-        self._check_sampling_fields()
-        self._check_vllm_fields()
-        self._check_reward_and_loss_fields()
+        config_checks.check_counts(self)
+        config_checks.check_sampling_fields(self)
+        config_checks.check_vllm_fields(self)
+        config_checks.check_reward_and_loss_fields(self)
         plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
         if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
             self.check_deepspeed_config(plugin.deepspeed_config)
         if self.torch_compile and (self.deepspeed or plugin is not None):
             raise ValueError(TORCH_COMPILE_WITH_DEEPSPEED)
-
-    def _check_counts(self) -> None:
-        """Counts and sizes: integers in their ranges."""
-        for name in (
-            "num_ppo_epochs",
-            "num_mini_batches",
-            "local_rollout_forward_batch_size",
-            "response_length",
-            "reward_batch_size",
-            "kl_horizon",
-            "dynamic_sampling_max_rounds",
-            "sample_table_size",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1.")
-        for name in (
-            "total_episodes",
-            "max_prompt_length",
-            "logprob_chunk_size",
-            "overlong_buffer_length",
-            "max_tokens_per_microbatch",
-        ):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1, or None.")
-        value = self.fused_lm_head_kept_logits_mib
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"fused_lm_head_kept_logits_mib={value!r}: expected an integer >= 0 (MiB; 0: the fused lm "
-                "head always rebuilds the logits in its backward pass)."
-            )
-        if self.num_sample_generations < 0 or self.truncate_after < 0:
-            raise ValueError(
-                f"num_sample_generations={self.num_sample_generations}, truncate_after={self.truncate_after}: "
-                "both must be >= 0."
-            )
-
-    def _check_sampling_fields(self) -> None:
-        """Temperature, stop token, generation loop and where the rollout log-probs come from."""
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(
-                f"temperature={self.temperature}: expected a finite number > 0 (1.0 samples as is)."
-            )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0: no top-k restriction).")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(
-                f"top_p={self.top_p}: expected a number in (0, 1] (1.0: no nucleus restriction)."
-            )
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p}: expected a number in [0, 1] (0.0: no min-p restriction).")
-        if self.stop_token is not None and self.stop_token not in STOP_TOKENS:
-            raise ValueError(
-                f"stop_token={self.stop_token!r}: expected 'eos' or None (for another token, set stop_token_id)."
-            )
-        if self.truncate_after >= self.response_length:
-            raise ValueError(
-                f"truncate_after={self.truncate_after} must be < response_length={self.response_length}: no stop "
-                "token could ever count."
-            )
-        if self.generation_loop not in GENERATION_LOOPS:
-            raise ValueError(f"generation_loop={self.generation_loop!r}: expected one of {GENERATION_LOOPS}.")
-        if self.rollout_logprobs not in ROLLOUT_LOGPROBS:
-            raise ValueError(
-                f"rollout_logprobs={self.rollout_logprobs!r}: expected one of {ROLLOUT_LOGPROBS}."
-            )
-        if self.rollout_logprobs == "generation" and not self.disable_dropout:
-            raise ValueError(
-                "rollout_logprobs='generation' with disable_dropout=False: generation runs without dropout "
-                "and the training pass with it, so the rollout log-probs would not be the training policy's. "
-                "Use rollout_logprobs='forward' (or 'auto'), or disable_dropout=True."
-            )
-
-    def _check_vllm_fields(self) -> None:
-        """use_vllm and its settings (vLLM itself is looked for when the trainer is built)."""
-        if not self.use_vllm:
-            return
-        if self.vllm_mode != "colocate":
-            raise ValueError(
-                f"vllm_mode={self.vllm_mode!r}: only 'colocate' (an engine inside each training process) is "
-                "supported; a separate vLLM server is not yet."
-            )
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: expected a fraction in (0, 1], "
-                "e.g. 0.3."
-            )
-        value = self.vllm_kv_cache_space_gib
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"vllm_kv_cache_space_gib={value!r}: expected a whole number of GiB >= 1.")
-        if self.vllm_tensor_parallel_size != 1:
-            raise ValueError(
-                f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size}: colocated engines run with "
-                "tensor-parallel size 1 so far; set vllm_tensor_parallel_size=1."
-            )
-        if self.vllm_dtype not in VLLM_DTYPES:
-            raise ValueError(f"vllm_dtype={self.vllm_dtype!r}: expected one of {VLLM_DTYPES}.")
-        value = self.vllm_max_model_length
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value <= self.response_length
-        ):
-            raise ValueError(
-                f"vllm_max_model_length={value!r}: expected an integer > response_length={self.response_length} "
-                "(it holds prompt and response), or None."
-            )
-        if self.vllm_importance_sampling_mode not in VLLM_IS_MODES:
-            raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: expected one of "
-                f"{VLLM_IS_MODES}."
-            )
-        if not (self.vllm_importance_sampling_cap > 0 and math.isfinite(self.vllm_importance_sampling_cap)):
-            raise ValueError(
-                f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap}: expected a finite number > 0 "
-                "(e.g. 3.0)."
-            )
-        if self.generation_loop != "builtin":
-            raise ValueError(
-                f"generation_loop={self.generation_loop!r} with use_vllm=True: vLLM replaces the generation "
-                "loop; leave generation_loop at its default."
-            )
-
-    def _check_reward_and_loss_fields(self) -> None:
-        """Reward shaping, KL and the clipped loss."""
-        if self.missing_eos_penalty is not None and self.rejection_penalty is not None:
-            raise ValueError(
-                "missing_eos_penalty and rejection_penalty are two ways to penalise a response without a stop "
-                "token (subtract vs replace); set one of them."
-            )
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}.")
-        if self.kl_coef < 0 or not math.isfinite(self.kl_coef):
-            raise ValueError(f"kl_coef={self.kl_coef}: expected a finite number >= 0.")
-        if self.kl_loss_coef < 0 or not math.isfinite(self.kl_loss_coef):
-            raise ValueError(
-                f"kl_loss_coef={self.kl_loss_coef}: expected a finite number >= 0 (0: no KL loss)."
-            )
-        if not math.isfinite(self.entropy_coeff) or self.entropy_coeff < 0:
-            raise ValueError(
-                f"entropy_coeff={self.entropy_coeff}: expected a finite number >= 0 (0: no bonus)."
-            )
-        if self.kl_loss_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"kl_loss_estimator={self.kl_loss_estimator!r}: expected one of {KL_ESTIMATORS}."
-            )
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level={self.importance_sampling_level!r}: expected one of "
-                f"{IMPORTANCE_SAMPLING_LEVELS}."
-            )
-        if self.adaptive_kl and not self.kl_target > 0:
-            raise ValueError(f"kl_target={self.kl_target}: the adaptive controller needs a target > 0.")
-        get_policy_loss(self.policy_loss)  # a ValueError naming the registered losses
-        if not 0 < self.cliprange < 1:
-            raise ValueError(f"cliprange={self.cliprange}: expected a number in (0, 1), e.g. 0.2.")
-        if self.cliprange_high is not None and not self.cliprange_high > 0:
-            raise ValueError(f"cliprange_high={self.cliprange_high}: expected a number > 0, or None.")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip={self.dual_clip}: expected a constant > 1 (e.g. 3.0), or None.")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}: expected one of {LOSS_AGG_MODES}.")
-        if self.reward_clip is not None and not self.reward_clip > 0:
-            raise ValueError(f"reward_clip={self.reward_clip}: expected a number > 0, or None.")
-        if self.reward_scaling is not None:
-            if len(self.reward_scaling) != 4:
-                raise ValueError(
-                    f"reward_scaling={self.reward_scaling}: expected four numbers "
-                    "[source_min, source_max, target_min, target_max], e.g. [0, 1, -1, 1]."
-                )
-            smin, smax, tmin, tmax = self.reward_scaling
-            if not (smax > smin and tmax >= tmin):
-                raise ValueError(
-                    f"reward_scaling={self.reward_scaling}: needs source_max > source_min and "
-                    "target_max >= target_min."
-                )
-        if self.overlong_buffer_length is not None and self.overlong_buffer_length > self.response_length:
-            raise ValueError(
-                f"overlong_buffer_length={self.overlong_buffer_length} must be <= response_length="
-                f"{self.response_length}."
-            )
-        if self.mask_truncated_completions and self.stop_token is None and self.stop_token_id is None:
-            raise ValueError(
-                "mask_truncated_completions=True without a stop token (stop_token=None, stop_token_id=None): "
-                "every completion runs to response_length and all would be masked. Set stop_token='eos'."
-            )
-        if self.overlong_penalty < 0:
-            raise ValueError(f"overlong_penalty={self.overlong_penalty}: expected a number >= 0.")
 
     def check_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         """Raise a ValueError for DeepSpeed settings that cannot work with these fields.

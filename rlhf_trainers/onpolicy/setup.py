@@ -27,6 +27,7 @@ from ..models import (
     seeded,
     tokenizer_of,
 )
+from ..rewards import RewardSources
 from .config import OnPolicyConfig
 
 if TYPE_CHECKING:
@@ -330,3 +331,23 @@ def fill_deepspeed_bucket_sizes(trainer: Any) -> None:
     if hf_config.is_zero3():
         hf_config.fill_only("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
         hf_config.fill_only("zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
+
+
+def reward_sources(
+    models: OnPolicyModels,
+    tokenizer: PreTrainedTokenizerBase,
+    reward_funcs: Any,
+    args: OnPolicyConfig,
+) -> RewardSources:
+    """Every reward source of the run: the reward model (if any) and the reward functions or sources,
+    weighted by ``reward_weights``."""
+    return RewardSources(
+        policy_tokenizer=tokenizer,
+        reward_model=models.reward_model,
+        reward_tokenizer=models.reward_processing_class,
+        reward_funcs=reward_funcs,
+        reward_weights=args.reward_weights,
+        batch_size=args.reward_batch_size,
+        on_error=args.reward_func_errors,
+        padding_free=args.padding_free,
+    )

@@ -47,7 +47,6 @@ from ..distributed_exit import tear_down_process_group_at_exit
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpoints, reliability_callback
-from ..rewards import RewardSources
 from . import checkpoint, evaluation
 from .balance import rebalance
 from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
@@ -67,6 +66,7 @@ from .setup import (
     policy_tokenizer,
     prepare_prompts,
     resolve_stop_ids,
+    reward_sources,
 )
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
 
     Attributes:
         producer: the rollout producer (:class:`~rlhf_trainers.onpolicy.producer.RolloutProducer`).
-        objective: the algorithm's advantages, loss and metrics.
+        algorithm: the algorithm's objective (advantages, loss, metrics); not ``objective``, which
+            ``Trainer`` sets in a hyperparameter search.
         loop: the optimization loop (:class:`~rlhf_trainers.onpolicy.optimize.OptimizationLoop`).
         sampler: the policy's sampler (:class:`~rlhf_trainers.onpolicy.sampling.PolicySampler`).
         passes: the models' forward passes (:class:`~rlhf_trainers.onpolicy.passes.ModelPasses`).
@@ -156,16 +157,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.is_peft = models.is_peft
         self.ref_model = models.ref_model
         self.reward_model = models.reward_model
-        self.reward_sources = RewardSources(
-            policy_tokenizer=processing_class,
-            reward_model=models.reward_model,
-            reward_tokenizer=models.reward_processing_class,
-            reward_funcs=reward_funcs,
-            reward_weights=args.reward_weights,
-            batch_size=args.reward_batch_size,
-            on_error=args.reward_func_errors,
-            padding_free=args.padding_free,
-        )
+        self.reward_sources = reward_sources(models, processing_class, reward_funcs, args)
 
         # ---- data ----
         self.preprocessing_stats: dict[str, Any] = {}
@@ -226,7 +218,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.num_updates, self.total_episodes = plan.num_updates, plan.total_episodes
         fill_deepspeed_bucket_sizes(self)
         self.collectives = Collectives(self.accelerator)
-        self.objective = self.objective_class(args, self.collectives)
+        self.algorithm = self.objective_class(args, self.collectives)
         self.passes = ModelPasses(self, models.vocab)
         self.sampler = PolicySampler(self, stop_ids, self.cpu_options)
         self.producer: RolloutProducer = SingleTurnProducer(self)
@@ -446,7 +438,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
     def needs_generation_logprobs(self) -> bool:
         """Whether the rollout keeps the generation's own log-probs (``Rollout.generation_logprobs``):
         with ``use_vllm`` (the mismatch metrics and importance weights), or for the objective's loss."""
-        return bool(self.args.use_vllm) or self.objective.needs_generation_logprobs
+        return bool(self.args.use_vllm) or self.algorithm.needs_generation_logprobs
 
     @property
     def wants_generation_logprobs(self) -> bool:
@@ -480,7 +472,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
 
     def token_rewards(self, rollout: Rollout) -> torch.Tensor:
         """Step 2: (N, R) per-token rewards of ``rollout`` at the current ``kl_coef`` (the objective's)."""
-        return self.objective.token_rewards(rollout, self.kl_ctl.value)
+        return self.algorithm.token_rewards(rollout, self.kl_ctl.value)
 
     def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
         """Step 4: the advantages of ``rollout`` (and what else the loss reads, e.g. PPO's returns).
@@ -493,7 +485,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             An :class:`~rlhf_trainers.onpolicy.rollout.Advantages`: ``advantages`` (N, R) or (N, 1), and
             the optional fields the objective's loss and metrics use.
         """
-        return self.objective.advantages(rollout, rewards, self.kl_ctl.value)
+        return self.algorithm.advantages(rollout, rewards, self.kl_ctl.value)
 
     def compute_policy_loss(
         self,
@@ -523,7 +515,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             ``(loss, metrics)``: the micro-batch's share of the mini-batch's loss, back-propagated as it
             is, and detached scalar metrics (``loss/*`` are shares like the loss, the others means).
         """
-        return self.objective.loss(
+        return self.algorithm.loss(
             rollout, advantages, rows, logprobs, values, normalization, entropy, step=self.state.global_step
         )
 
@@ -539,7 +531,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         )
         if self.args.use_vllm and rollout.generation_logprobs is not None and not self.vllm_logprobs_are_old:
             metrics.update(rollout_sampling_metrics(rollout, self.collectives, self.weight_sync_seconds))
-        metrics.update(self.objective.metrics(rollout, advantages))
+        metrics.update(self.algorithm.metrics(rollout, advantages))
         return metrics
 
     # ---- evaluation, saving and loading (Trainer's hooks) ------------------------------------------

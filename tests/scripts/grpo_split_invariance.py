@@ -118,7 +118,7 @@ def check(
     # this rank's half: prompts 2r, 2r + 1 with their K completions (layout j * 2 + i kept)
     mine = torch.tensor([j * PROMPTS + i for j in range(K) for i in (2 * rank, 2 * rank + 1)])
     half = select(full, mine)
-    trainer.assemble_rollout = lambda samples, scores, passes: half  # type: ignore[method-assign]
+    trainer.producer.assemble = lambda samples, scores, passes: half  # type: ignore[method-assign]
     seen: list[torch.Tensor] = []
     create = trainer.create_optimizer
 

@@ -94,7 +94,7 @@ def main() -> None:
         trainer._save_rng_state = killing_save_rng_state
     if mode == "signal" and phase == "rollout":
         # Sampling is the rollout's first step: the signal arrives while the rollout runs.
-        sample_responses = trainer.sample_responses
+        sample_responses = trainer.producer.sample
 
         def signalling_rollout(*args, **kwargs):
             if trainer.state.global_step == step - 1 and not getattr(trainer, "_sent", False):
@@ -102,7 +102,7 @@ def main() -> None:
                 os.kill(os.getpid(), sig)
             return sample_responses(*args, **kwargs)
 
-        trainer.sample_responses = signalling_rollout
+        trainer.producer.sample = signalling_rollout
     if mode == "signal" and phase == "save":
         save_rng = trainer._save_rng_state
 

@@ -42,13 +42,16 @@ class RecordingRLOOTrainer(RLOOTrainer):
         super().__init__(*args, **kwargs)
         self.records: list[dict[str, list]] = []
         self._prompt_index: list[int] = []
+        prompt_batch = self.producer.prompt_batch
 
-    def _prompt_batch(self, update: int) -> dict[str, Any]:
-        # The "idx" column reaches the collated batch like any extra column (it goes to the reward
-        # functions too, which ignore it); rows are the k copies of the batch, as in the engine.
-        batch = super().producer.prompt_batch(update)
-        self._prompt_index = [int(i) for i in batch["idx"]] * self.args.rloo_k
-        return batch
+        def recording(update: int) -> dict[str, Any]:
+            # The "idx" column reaches the collated batch like any extra column (it goes to the reward
+            # functions too, which ignore it); rows are the k copies of the batch, as in the engine.
+            batch = prompt_batch(update)
+            self._prompt_index = [int(i) for i in batch["idx"]] * self.args.rloo_k
+            return batch
+
+        self.producer.prompt_batch = recording  # type: ignore[method-assign]
 
     def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
         advantages = super().compute_advantages(rollout, rewards)
