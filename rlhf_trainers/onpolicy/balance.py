@@ -2,7 +2,7 @@
 rows are redistributed over the processes so that each holds about the same number of real tokens,
 instead of the rows its own prompts produced.
 
-Why it is safe where it runs: the rows move after step 6, once the advantages exist, so a prompt's
+Why it is safe where it runs: the rows move after step 4, once the advantages exist, so a prompt's
 completions (RLOO's and GRPO's groups) were all on one process when their baseline was computed; after
 that every row's loss terms are its own, and the loss denominators are the whole optimizer step's,
 summed over the processes (:class:`~rlhf_trainers.onpolicy.rollout.LossNormalization`), so the update

@@ -1,4 +1,4 @@
-"""What one algorithm adds to the on-policy update: its advantages (step 6), its loss (step 7) and its
+"""What one algorithm adds to the on-policy update: its advantages (step 4), its loss (step 5) and its
 metrics (step 8). PPO, RLOO and GRPO each subclass :class:`Objective` in their own folder
 (``ppo/objective.py``, ...); the engine calls these three methods and nothing else of it.
 
@@ -54,7 +54,7 @@ class Objective:
         return rewards
 
     def advantages(self, rollout: Rollout, rewards: torch.Tensor, kl_coef: float) -> Advantages:
-        """Step 6: the advantages of ``rollout`` (and what else the loss reads, e.g. PPO's returns).
+        """Step 4: the advantages of ``rollout`` (and what else the loss reads, e.g. PPO's returns).
 
         Args:
             rollout: the update's rollout (not to be modified).
@@ -74,7 +74,7 @@ class Objective:
         entropy: torch.Tensor | None = None,
         step: int = 0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Step 7's loss of one micro-batch: see
+        """Step 5's loss of one micro-batch: see
         :meth:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer.compute_policy_loss` for the arguments;
         ``step`` is the Trainer's ``global_step`` (PPO's critic warm-up)."""
         raise NotImplementedError

@@ -1,4 +1,4 @@
-"""Step 7 of the update: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over a rollout, each over
+"""Step 5 of the update: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over a rollout, each over
 gradient-accumulated micro-batches, with the algorithm's loss (an
 :class:`~rlhf_trainers.onpolicy.objective.Objective`) as an argument.
 

@@ -263,7 +263,7 @@ class ModelPasses:
     def logprobs(
         self, samples: SampledResponses, timings: dict[str, float] | None = None, with_values: bool = True
     ) -> ForwardPasses:
-        """The rollout's log-probs (step 4 of a rollout): per chunk of ``local_rollout_forward_batch_size`` rows, the policy's log-probs and
+        """The rollout's log-probs (the producer's step d): per chunk of ``local_rollout_forward_batch_size`` rows, the policy's log-probs and
         entropy (a training-mode forward pass, or the sampling loop's own where
         :attr:`logprobs_from_generation`), the reference's log-probs and the value model's values (unless
         ``with_values`` is False: the optimization loop then fills them, :meth:`~rlhf_trainers.onpolicy.optimize.OptimizationLoop.fill_values`).

@@ -66,10 +66,11 @@ class Scores:
 
 @dataclass
 class FirstMicroBatch:
-    """Step 7's first micro-batch (epoch 0, mini-batch 0), known before step 7 (step 6a)."""
+    """The optimization loop's first micro-batch (epoch 0, mini-batch 0), known before the loop runs (step 3
+    of the update, ``rollout_values='auto'``)."""
 
     rows: torch.Tensor
-    """(M,) long, on the host: its rollout rows, in step 7's order."""
+    """(M,) long, on the host: its rollout rows, in the loop's order."""
     bounds: tuple[int, int]
     """The columns its forward pass covers (first prompt column, end of the response columns)."""
     last: bool
@@ -78,11 +79,11 @@ class FirstMicroBatch:
 
 @dataclass
 class HeldForward:
-    """A training forward pass run ahead of its backward pass (step 6a of the update,
-    ``rollout_values='auto'``): step 7's first micro-batch, whose values are the rollout's for its rows."""
+    """A training forward pass run ahead of its backward pass (step 3 of the update,
+    ``rollout_values='auto'``): the loop's first micro-batch, whose values are the rollout's for its rows."""
 
     rows: torch.Tensor
-    """(M,) long, on the host: the rollout rows of the micro-batch, in step 7's order."""
+    """(M,) long, on the host: the rollout rows of the micro-batch, in the loop's order."""
     logprobs: torch.Tensor
     """(M, R) log-probs with gradient."""
     values: torch.Tensor
@@ -93,7 +94,7 @@ class HeldForward:
 
 @dataclass
 class ForwardPasses:
-    """The no-grad forward passes of a rollout (step 4), (N, R) each, 0 at masked response positions."""
+    """The no-grad forward passes of a rollout (the producer's step d), (N, R) each, 0 at masked response positions."""
 
     logprobs: torch.Tensor
     """float32 log-probs of the response under the policy (logits / temperature): the 'old' log-probs
@@ -176,7 +177,7 @@ class Rollout:
 
 @dataclass
 class Advantages:
-    """What :meth:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer.compute_advantages` returns (step 6):
+    """What :meth:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer.compute_advantages` returns (step 4):
     the advantages and whatever else the algorithm's loss and metrics read."""
 
     advantages: torch.Tensor
