@@ -1,6 +1,7 @@
-"""What one algorithm adds to the on-policy update: its advantages (step 4), its loss (step 5) and its
-metrics (step 8). PPO, RLOO and GRPO each subclass :class:`Objective` in their own folder
-(``ppo/objective.py``, ...); the engine calls these three methods and nothing else of it.
+"""What one algorithm adds to the on-policy update: its per-token rewards (step 2),
+advantages (step 4), loss (step 5) and metrics (step 6). PPO, RLOO and GRPO each subclass
+:class:`Objective` in their own folder (``ppo/objective.py``, ...); the engine calls these four methods
+and nothing else of it.
 
 The pieces an objective is made of are registered by name in
 :mod:`rlhf_trainers.functional.registry`: the advantage estimator (``GRPOConfig.advantage_estimator``;
