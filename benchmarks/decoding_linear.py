@@ -3,7 +3,7 @@ builtin sampling loop can take: PyTorch's default ``F.linear`` (MKL on x86, whic
 every call), MKL on weights packed once (``mkl_prepacked_decoding``) and oneDNN (``onednn_linear``).
 Whether ``onednn_linear`` (off by default) could pay on a given CPU, measured on the products alone; a
 decision needs the whole generation too (``benchmarks/vs_trl.py --impls ours --ours-config
-'{"onednn_linear": true}'``): on the AMD EPYC of the eighteenth session oneDNN's products were ~10 %
+'{"onednn_linear": true}'``): on a 2-core AMD EPYC (2026-11-27) oneDNN's products were ~10 %
 faster here and the whole PPO generation was not (docs/benchmarks.md).
 
 A step here is every linear layer of the 30 decoder layers (q, k, v, o, gate, up, down) and the 49,152 x

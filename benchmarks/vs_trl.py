@@ -483,12 +483,12 @@ SAMPLER_NOTE = (
     "Sampler draws: TRL (`transformers.generate`) draws each token with `torch.multinomial`, which on CPU "
     "draws one exponential variate per vocabulary entry (22-32 ms per step at 16 rows of SmolLM2's 49,152 "
     "entries); ours on CPU inverts each row's cumulative distribution with one uniform variate "
-    "(`inverse_cdf_sampling=True`, the default since the seventeenth session; 1.4-2.1 ms per step). The same "
+    "(`inverse_cdf_sampling=True`, the default; 1.4-2.1 ms per step). The same "
     "distribution, other tokens for a seed."
 )
 STOPPED_ROWS_NOTE = (
     "Generation: ours drops the rows that have stopped from its decoding steps once a quarter or more of the "
-    "running rows have (`drop_finished_rows`, the builtin loop's default since the twentieth session; the "
+    "running rows have (`drop_finished_rows`, the builtin loop's default; the "
     "draws are those of the full batch); `transformers.generate` (TRL) runs every row until all have "
     "stopped."
 )
@@ -500,11 +500,11 @@ UNMATCHED = [
     "Log-prob head: ours (PPO and RLOO) and TRL's RLOO compute log-probs from the final hidden states with a "
     "fused lm head (ours: `fused_lm_head=True`, the default). TRL's RLOO never holds the response logits and "
     "rebuilds them in the backward pass; so does ours above `fused_lm_head_kept_logits_mib` (256 MiB), and "
-    "below it (since the twentieth session; this job's micro-batches: ~340 response tokens x 49,152 "
+    "below it (this job's micro-batches: ~340 response tokens x 49,152 "
     "entries, ~64 MiB) it keeps the logits its forward pass computed for the backward pass. TRL's PPO runs "
     "the lm head and a log-softmax over full logits.",
-    "Rollout values (PPO): TRL's PPO runs a no-grad value pass over every completion; ours (since the "
-    "twenty-second session, `rollout_values='auto'`) takes the values of the first micro-batch's rows from "
+    "Rollout values (PPO): TRL's PPO runs a no-grad value pass over every completion; ours "
+    "(`rollout_values='auto'`, the default) takes the values of the first micro-batch's rows from "
     "that micro-batch's training forward pass, run before the advantages (counted in `update`), and its "
     "value pass (`values`) covers the other rows: half of them in this job (2 mini-batches of one "
     "micro-batch).",
