@@ -218,8 +218,7 @@ CITED: dict[str, tuple[tuple[str, str], ...]] = {
         ("issue20/vs_trl_cpu_2threads_tiny_s7_after.md", "2026-11-25"),
     ),
     "vs_trl_varlen": (
-        ("vs_trl_varlen_135m_ppo_s22_values_confirm_amd.md", "2026-11-28"),
-        ("vs_trl_varlen_135m_rloo_s18_amd.md", "2026-11-27"),
+        ("vs_trl_varlen_135m_s24_parts.md", "2026-11-29"),
         ("vs_trl_varlen_135m.md", "2026-11-26"),
     ),
     "vs_trl_grpo": (
