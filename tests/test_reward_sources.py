@@ -425,7 +425,7 @@ def test_columns_are_passed_through(tok):
     # TRL's convention: conversational prompts as given, each completion as an assistant message
     messages = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
     assert prompts == chats and completions == messages
-    extra = {"completion_ids", "trainer_state", "log_extra", "log_metric"}
+    extra = {"trainer_state", "log_extra", "log_metric"}  # (no completion_ids: no prompt_width given)
     assert {k: v for k, v in kwargs.items() if k not in extra} == {
         "label": [1, 2, 3, 4, 5],
         "source": ["a", "b", "c", "d", "e"],

@@ -164,7 +164,7 @@ def test_a_function_that_only_names_completion_ids_is_accepted_and_refused_witho
     def by_ids(prompts, completions, completion_ids):
         return [float(len(x)) for x in completion_ids]
 
-    source = RewardFunctionSource(by_ids)  # refused before issue #48
+    source = RewardFunctionSource(by_ids)  # before issue #48: refused at the first batch
     batch = RewardBatch(prompts=["a"], completions=["b"])  # no ids
     with pytest.raises(
         ValueError, match=r"requires the argument\(s\) \['completion_ids'\].*no completion ids"

@@ -143,9 +143,9 @@ def _inspect_reward_func(func: Any, index: int) -> _FuncSpec:
         raise TypeError(
             f"reward function {name!r} (reward_funcs[{index}]) has the signature {signature}, but reward "
             "functions are called with keyword arguments only: f(prompts=[...], completions=[...], "
-            "completion_ids=[...], trainer_state=..., log_extra=..., log_metric=..., **dataset_columns). "
-            "Name its parameters after the arguments it reads and take the others with **kwargs, e.g. "
-            f"`{example}`."
+            "completion_ids=[...], trainer_state=..., log_extra=..., log_metric=..., **dataset_columns), "
+            "as TRL calls them. Name its parameters `prompts` and `completions` (and take the others with "
+            f"**kwargs), e.g. `{example}`."
         )
     required = tuple(
         p.name
