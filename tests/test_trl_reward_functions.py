@@ -366,3 +366,21 @@ def test_rloo_and_ppo_use_the_same_convention(kit, tmp_path):
         torch.testing.assert_close(rollout.per_source["reward_len_logged"].cpu(), expected)
         assert any(h.get("len_metric") == 1.0 for h in trainer.state.log_history), cls.__name__
     assert seen == {"TrainerState": True}
+
+
+def test_dynamic_sampling_keeps_the_logged_columns_of_the_rows_it_keeps(kit, tmp_path):
+    """With DAPO's dynamic sampling (several scoring calls per update), a ``log_extra`` column stays aligned
+    with the rollout's rows and every call's ``log_metric`` values are averaged."""
+
+    def constant(completions, log_extra, log_metric, **kwargs):  # no signal: every round is drawn
+        log_extra("text", [c[0]["content"] for c in completions])
+        log_metric("calls", 1.0)
+        return [1.0] * len(completions)
+
+    trainer = grpo(kit, tmp_path, constant, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
+    trainer.train()
+    rollout = trainer._last_rollout
+    assert rollout.reward_columns["text"] == rollout.completions
+    assert rollout.reward_metrics == {"calls": [1.0, 1.0, 1.0]}
+    logged = next(h for h in trainer.state.log_history if "calls" in h)
+    assert logged["calls"] == 1.0 and logged["rollout/dynamic_sampling_rounds"] == 3
