@@ -365,6 +365,8 @@ def test_rloo_and_ppo_use_the_same_convention(kit, tmp_path):
         expected = torch.tensor([-abs(20 - len(c)) for c in rollout.completions], dtype=torch.float32)
         torch.testing.assert_close(rollout.per_source["reward_len_logged"].cpu(), expected)
         assert any(h.get("len_metric") == 1.0 for h in trainer.state.log_history), cls.__name__
+        metrics = trainer.evaluate(conversational(kit, n=4))
+        assert metrics["eval_len_metric"] == 1.0 and "eval_objective/scores/reward_len_logged" in metrics
     assert seen == {"TrainerState": True}
 
 
