@@ -422,14 +422,22 @@ def test_columns_are_passed_through(tok):
     sources = RewardSources(policy_tokenizer=tok, reward_funcs=[with_kwargs, named, only_kwargs])
     _, per_source = sources(query_response_ids=ids, prompts=chats, completions=decoded, columns=columns)
     prompts, completions, kwargs = received["with_kwargs"]
-    assert prompts == chats and completions == COMPLETIONS
-    assert kwargs == {"label": [1, 2, 3, 4, 5], "source": ["a", "b", "c", "d", "e"], "scale": [9] * 5}
+    # TRL's convention: conversational prompts as given, each completion as an assistant message
+    messages = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
+    assert prompts == chats and completions == messages
+    extra = {"trainer_state", "log_extra", "log_metric"}  # (no completion_ids: no prompt_width given)
+    assert {k: v for k, v in kwargs.items() if k not in extra} == {
+        "label": [1, 2, 3, 4, 5],
+        "source": ["a", "b", "c", "d", "e"],
+        "scale": [9] * 5,
+    }
+    assert extra <= set(kwargs) and kwargs["trainer_state"] is None  # no trainer here
     assert isinstance(kwargs["label"], list)  # columns arrive as lists
     # a function without **kwargs gets only the columns it names
-    assert received["named"] == (chats, COMPLETIONS, [1, 2, 3, 4, 5], [9] * 5)
-    assert set(received["only_kwargs"]) == {"prompts", "completions", "label", "source", "scale"}
+    assert received["named"] == (chats, messages, [1, 2, 3, 4, 5], [9] * 5)
+    assert set(received["only_kwargs"]) == {"prompts", "completions", "label", "source", "scale"} | extra
     torch.testing.assert_close(per_source["with_kwargs"], torch.tensor([1.0, 2, 3, 4, 5]))
-    torch.testing.assert_close(per_source["named"], torch.tensor([9.0 * len(c) for c in COMPLETIONS]))
+    torch.testing.assert_close(per_source["named"], torch.tensor([9.0] * 5))  # len() of a one-message list
     assert per_source["only_kwargs"].tolist() == [0.0] * 5
     # a required parameter that is not a column: refused before any function runs
     received.clear()
@@ -538,18 +546,18 @@ def test_none_and_non_finite_become_nan(tok, llama):
     total, per_source = sources(query_response_ids=ids, prompts=PROMPTS, completions=decoded)
     assert per_source["sparse"].isnan().tolist() == [True, False, True, True, True]
     assert per_source["sparse"][1].item() == 0.5
-    assert total.isnan().tolist() == [
-        True,
-        False,
-        True,
-        True,
-        True,
-    ]  # NaN reaches the total; the caller decides
     assert per_source["reward_model"].isfinite().all() and per_source["true_reward"].isfinite().all()
+    # TRL's nansum: a source without a number for a row is left out of that row's sum
+    others = per_source["reward_model"] + per_source["true_reward"]
+    torch.testing.assert_close(total, others + torch.tensor([0.0, 0.5, 0.0, 0.0, 0.0]))
     zero_weight = RewardSources(
         policy_tokenizer=tok, reward_funcs=[true_reward, sparse], reward_weights=[1.0, 0.0]
     )(query_response_ids=ids, prompts=PROMPTS, completions=decoded)[0]
-    assert zero_weight.isnan().tolist() == [True, False, True, True, True]
+    torch.testing.assert_close(zero_weight, per_source["true_reward"])
+    # a row that no source scored is NaN (the caller leaves it out of the update)
+    alone = RewardSources(policy_tokenizer=tok, reward_funcs=[sparse, sparse], reward_weights=[1.0, 2.0])
+    total = alone(query_response_ids=ids, prompts=PROMPTS, completions=decoded)[0]
+    assert total.isnan().tolist() == [True, False, True, True, True] and total[1].item() == 1.5
 
 
 @pytest.mark.parametrize(

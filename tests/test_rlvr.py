@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+from rlhf_trainers.rewards import REWARD_FUNC_ARGS
 from rlhf_trainers.rewards.rlvr import (
     TASKS,
     count_words,
@@ -181,7 +182,9 @@ def test_module_imports_only_the_standard_library():
 
 def _recording(func, calls):
     def record(prompts, completions, **columns):
-        calls.append((list(prompts), list(completions), {k: list(v) for k, v in columns.items()}))
+        # the dataset's columns (the trainers also pass completion_ids, trainer_state, log_*: TRL's arguments)
+        data = {k: list(v) for k, v in columns.items() if k not in REWARD_FUNC_ARGS}
+        calls.append((list(prompts), list(completions), data))
         return func(prompts=prompts, completions=completions, **columns)
 
     record.__name__ = "recorded_reward"

@@ -333,7 +333,8 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "help": "What a reward function that raises (or returns the wrong number or kind of values) does: "
             "'raise' stops with an error naming the function and the first prompt index that fails alone; "
             "'skip' leaves that call's rows out of the update and counts them in rollout/reward_func_errors. "
-            "None/NaN/inf values are always left out per row and counted in rollout/invalid_rewards."
+            "A None/NaN/inf value leaves that function out of that row's weighted sum (TRL's nansum); a row no "
+            "source scored is left out of the update and counted in rollout/invalid_rewards."
         },
     )
 

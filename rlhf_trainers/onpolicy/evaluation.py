@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..models import embedding_rows
+from ..rewards import RewardLog
+from .metrics import logged_metric_means
 from .rollout import Rollout
 from .setup import tokenize
 
@@ -101,6 +103,7 @@ def evaluate(
     indices = [i % n for i in indices]
     devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    reward_log = RewardLog()  # what the reward functions logged (log_metric), over the eval batches
     samples_table: list[dict[str, Any]] = []
     with (
         torch.random.fork_rng(devices=devices),
@@ -118,6 +121,8 @@ def evaluate(
             parts["val/stop_token_rate"].append(scores.found_stop.float())
             for name, values in scores.per_source.items():
                 parts[f"objective/scores/{name}"].append(values.to(scores.total.device))
+            if scores.reward_log is not None:
+                reward_log.update(scores.reward_log)
             if len(samples_table) < trainer.args.sample_table_size:
                 samples_table.extend(
                     {"prompt": p, "completion": c, "score": float(x)}
@@ -133,6 +138,9 @@ def evaluate(
         return float(gathered[finite].mean()) if finite.any() else float("nan")
 
     metrics = {f"{metric_key_prefix}_{name}": mean(values) for name, values in parts.items()}
+    if trainer.reward_sources.may_log:  # the reward functions' log_metric values, as in training
+        for name, value in logged_metric_means(reward_log.metrics, trainer.collectives).items():
+            metrics.setdefault(f"{metric_key_prefix}_{name}", value)
     if trainer.is_world_process_zero() and samples_table:
         title = f"evaluation samples at update {trainer.state.global_step}"
         print_sample_table(samples_table[: trainer.args.sample_table_size], title, to_log=True)

@@ -4,11 +4,14 @@ objective's :meth:`~rlhf_trainers.onpolicy.objective.Objective.metrics`."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from .rollout import Rollout
+
+logger = logging.getLogger(__name__)
 
 
 class Collectives:
@@ -28,6 +31,14 @@ class Collectives:
         """Every process's ``tensor`` concatenated along dim 0 (on the accelerator's device)."""
         tensor = tensor.to(self.accelerator.device)
         return self.accelerator.gather(tensor) if self.accelerator.num_processes > 1 else tensor
+
+    def gather_objects(self, items: list[Any]) -> list[Any]:
+        """Every process's list ``items`` (picklable objects) concatenated, in process order."""
+        if self.accelerator.num_processes == 1:
+            return list(items)
+        from accelerate.utils import gather_object
+
+        return list(gather_object(list(items)))
 
     def reduce_means(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         """Means over processes of per-process scalars (one collective)."""
@@ -114,7 +125,35 @@ def rollout_metrics(
         values = collectives.gather(scores.float())
         finite = torch.isfinite(values)
         metrics[f"objective/scores/{name}"] = float(values[finite].mean()) if finite.any() else float("nan")
+    if rollout.reward_metrics is not None:
+        for name, value in logged_metric_means(rollout.reward_metrics, collectives).items():
+            if name in metrics:
+                logger.warning(
+                    "a reward function logged the metric %r with log_metric, which is a name of the trainer's "
+                    "own metrics; the trainer's value is kept. Give the metric another name.",
+                    name,
+                )
+                continue
+            metrics[name] = value
     return metrics
+
+
+def logged_metric_means(values: dict[str, list[float]], collectives: Collectives) -> dict[str, float]:
+    """The mean of each metric the reward functions logged (``log_metric``) over all its values on all
+    processes, as TRL averages them. A collective: every process calls it, whatever it logged (one sum
+    says whether any process logged; only then are the names gathered)."""
+    if collectives.accelerator.num_processes > 1:
+        logged = torch.tensor([float(len(values))], device=collectives.accelerator.device)
+        if not float(collectives.all_reduce(logged)):
+            return {}
+    names = sorted(set(collectives.gather_objects(sorted(values))))
+    if not names:
+        return {}
+    sums = torch.tensor(
+        [[sum(values.get(n, ())), float(len(values.get(n, ())))] for n in names], dtype=torch.float32
+    )
+    sums = collectives.all_reduce(sums.to(collectives.accelerator.device)).cpu()
+    return {n: float(total / count) for n, (total, count) in zip(names, sums.tolist(), strict=True) if count}
 
 
 def sampling_mismatch_metrics(

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .. import functional as F
+from ..rewards import RewardLog
 from .rollout import ForwardPasses, Rollout, SampledResponses, Scores
 
 
@@ -179,8 +180,11 @@ class SingleTurnProducer:
             columns=samples.columns,
             reward_model_forward=self.engine.passes.reward_forward,
             prompt_width=samples.query.shape[1],
+            completion_lengths=samples.lengths.tolist(),
+            trainer_state=self.engine.state,
         )
         errors = torch.tensor(float(self.engine.reward_sources.last_errors), device=device)
+        reward_log = self.engine.reward_sources.last_log if self.engine.reward_sources.may_log else None
         found_stop = (
             F.stop_token_found(
                 samples.response, self.engine.sampler.stop_ids, self.engine.args.truncate_after
@@ -190,7 +194,7 @@ class SingleTurnProducer:
         )
         if timings is not None:
             timings["timing/reward"] += time.perf_counter() - began
-        return Scores(completions, total.to(device), per_source, found_stop, errors)
+        return Scores(completions, total.to(device), per_source, found_stop, errors, reward_log=reward_log)
 
     def dynamic_sampling(
         self,
@@ -299,6 +303,8 @@ class SingleTurnProducer:
             group_ids=torch.arange(samples.response.shape[0], device=samples.response.device)
             % (samples.response.shape[0] // self.engine.completions_per_prompt),
             dynamic_sampling=scores.dynamic_sampling,
+            reward_metrics=None if scores.reward_log is None else scores.reward_log.metrics,
+            reward_columns={} if scores.reward_log is None else scores.reward_log.columns,
             prompts=samples.prompts,
             completions=scores.completions,
             values=passes.values,
@@ -384,5 +390,27 @@ def _take_groups(
         reward_func_errors=sum(
             (p[1].reward_func_errors for p in pieces), torch.zeros_like(first_scores.reward_func_errors)
         ),
+        reward_log=_join_reward_logs(pieces, rows.tolist()),
     )
     return samples, scores
+
+
+def _join_reward_logs(pieces: list[tuple[SampledResponses, Scores]], rows: list[int]) -> RewardLog | None:
+    """The reward functions' logs of several rounds of dynamic sampling as one: every metric value of every
+    round; a column's values at the chosen ``rows`` when each round logged one value per row of it, else
+    all of them in order."""
+    logs = [p[1].reward_log for p in pieces]
+    if any(log is None for log in logs):
+        return None
+    joined = RewardLog()
+    for log in logs:
+        for name, values in log.metrics.items():
+            joined.metrics.setdefault(name, []).extend(values)
+    for name in dict.fromkeys(n for log in logs for n in log.columns):
+        parts = [log.columns.get(name) for log in logs]
+        if all(v is not None and len(v) == len(p[0].prompts) for v, p in zip(parts, pieces, strict=True)):
+            flat = [value for part in parts for value in part]
+            joined.columns[name] = [flat[i] for i in rows]
+        else:
+            joined.columns[name] = [value for part in parts if part is not None for value in part]
+    return joined

@@ -14,9 +14,12 @@ algorithm's objective the :class:`Advantages`; the optimization loop the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..rewards import RewardLog
 
 
 @dataclass
@@ -62,6 +65,9 @@ class Scores:
     dynamic_sampling: torch.Tensor | None = None
     """(3,) DAPO's dynamic sampling on this process: rounds, groups dropped, groups that still had to
     fill the batch; None when it is off."""
+    reward_log: RewardLog | None = None
+    """What the reward functions logged while scoring (``log_metric``, ``log_extra``); None when no
+    reward source can log (``RewardSources.may_log``, the same on every process)."""
 
 
 @dataclass
@@ -168,6 +174,14 @@ class Rollout:
     ``j * B + i`` in the single-turn layout."""
     dynamic_sampling: torch.Tensor | None = None
     """(3,) DAPO's dynamic-sampling counts on this process (see :class:`Scores`); None when off."""
+    reward_metrics: dict[str, list[float]] | None = None
+    """The values the reward functions logged with ``log_metric(name, value)`` on this process, by name;
+    the update logs each name's mean over all processes beside its own metrics. None when no reward
+    source can log (then no collective is spent on them)."""
+    reward_columns: dict[str, list[Any]] = field(default_factory=dict)
+    """The columns the reward functions logged with ``log_extra(column, values)`` on this process, by name,
+    for the completions table: one value per row in the rollout's row order when each function logs one
+    per completion of its batch (dynamic sampling keeps the values of the rows it keeps)."""
     sampling_weights: torch.Tensor | None = None
     """Truncated importance weights pi_train / pi_vllm of the sampled tokens
     (:func:`~rlhf_trainers.functional.truncated_importance_weights`), (N, R) for the token modes of

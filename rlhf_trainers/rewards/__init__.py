@@ -7,8 +7,11 @@ returns one float per completion (NaN: no reward). The implementations:
 - :class:`RewardModelSource`: a one-label sequence-classification reward model, scoring the policy's token
   ids when it shares the policy's tokenizer and the re-tokenized text otherwise (:func:`score_ids`,
   :func:`score_texts`);
-- :class:`RewardFunctionSource`: a Python function ``f(prompts=..., completions=..., **columns)`` (its
-  signature inspected, the columns it names passed, its failures handled per :data:`REWARD_ERROR_MODES`);
+- :class:`RewardFunctionSource`: a Python function, sync or async, called as TRL 1.16 calls reward
+  functions: ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+  log_metric=..., **columns)``, the completions as assistant messages for conversational prompts (its
+  signature inspected, the arguments it names passed, its failures handled per :data:`REWARD_ERROR_MODES`;
+  what it logs collected in a :class:`RewardLog`);
 - the RLVR graders of :mod:`rlhf_trainers.rewards.rlvr` (:func:`~rlhf_trainers.rewards.rlvr.reward_source`);
 - any class of yours with a ``name`` and a ``score`` method.
 
@@ -19,22 +22,31 @@ model *trainer* is :mod:`rlhf_trainers.reward`.
 """
 
 from ..data.common import Prompt
-from .base import RewardBatch, RewardSource, is_reward_source
-from .functions import REWARD_ERROR_MODES, RewardFunc, RewardFunctionSource
+from .base import RewardBatch, RewardLog, RewardSource, is_reward_source
+from .functions import (
+    REWARD_ERROR_MODES,
+    REWARD_FUNC_ARGS,
+    RewardFunc,
+    RewardFunctionSource,
+    is_async_reward_func,
+)
 from .model import RewardModelSource, join_prompt_completion, score_ids, score_texts
 from .normalization import compute_reward_normalization
 from .sources import RewardSources, split_reward_funcs
 
 __all__ = [
     "REWARD_ERROR_MODES",
+    "REWARD_FUNC_ARGS",
     "Prompt",
     "RewardBatch",
     "RewardFunc",
     "RewardFunctionSource",
+    "RewardLog",
     "RewardModelSource",
     "RewardSource",
     "RewardSources",
     "compute_reward_normalization",
+    "is_async_reward_func",
     "is_reward_source",
     "join_prompt_completion",
     "score_ids",

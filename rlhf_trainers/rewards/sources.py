@@ -5,6 +5,7 @@ reward; and TRL's ``reward_funcs`` convention (a reward model inside the list) a
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -13,16 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..data.common import Prompt
-from .base import RewardBatch, RewardSource, is_reward_source
-from .functions import REWARD_ERROR_MODES, RewardFunc, RewardFunctionSource
+from .base import RewardBatch, RewardLog, RewardSource, is_reward_source
+from .functions import REWARD_ERROR_MODES, REWARD_FUNC_ARGS, RewardFunc, RewardFunctionSource, run_coroutine
 from .model import RewardModelSource
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["RewardSources", "split_reward_funcs"]
-
-_FIXED_ARGS = ("prompts", "completions")
 
 
 def _unique_names(names: Sequence[str]) -> list[str]:
@@ -102,15 +101,18 @@ class RewardSources:
     :class:`~rlhf_trainers.rewards.RewardSource` objects, weighted.
 
     The on-policy trainers call it once per rollout batch. Each source gives one float per sequence;
-    the total is ``sum(weight * source)``. The reward model becomes a
-    :class:`~rlhf_trainers.rewards.RewardModelSource` (the policy's ids when it shares the policy's
-    tokenizer, the re-tokenized text otherwise), each plain function a
-    :class:`~rlhf_trainers.rewards.RewardFunctionSource`, and an entry of ``reward_funcs`` that already is
-    a source (a ``name`` and a ``score(batch)`` method) is used as it is.
+    the total is ``sum(weight * source)`` over the sources that gave the row a number, as TRL's
+    ``nansum``. The reward model becomes a :class:`~rlhf_trainers.rewards.RewardModelSource` (the policy's
+    ids when it shares the policy's tokenizer, the re-tokenized text otherwise), each plain function a
+    :class:`~rlhf_trainers.rewards.RewardFunctionSource` (called as TRL 1.16 calls reward functions), and
+    an entry of ``reward_funcs`` that already is a source (a ``name`` and a ``score(batch)`` method) is
+    used as it is. Synchronous sources score first, in order; then the asynchronous ones (``async def``
+    functions) run concurrently on one event loop.
 
-    NaN is not dropped here: a row's ``total`` is NaN when any of its sources is NaN (even with weight
-    0), and what to do with such rows (skip, zero, combine the other sources with ``nansum`` over
-    ``per_source``) is the caller's decision.
+    NaN (a function's ``None``, a non-finite value) means "this source does not score this row": it is
+    left out of that row's sum. A row's ``total`` is NaN, and the caller leaves the row out of the update,
+    when no source scored it, or when a source that reported errors (``last_errors``, e.g. a function
+    skipped with ``on_error="skip"``) gave it NaN.
 
     Args:
         policy_tokenizer: the policy's tokenizer; its pad id pads ``query_response_ids``.
@@ -131,6 +133,7 @@ class RewardSources:
         sources: the sources, in the order of ``names``.
         last_errors: rows of the last call that a source could not score (the sum of the sources'
             ``last_errors``; a reward function's with ``on_error="skip"``).
+        last_log: what the reward functions logged in the last call (``log_metric``, ``log_extra``).
         names: one per source: ``"reward_model"`` first when there is one, then each entry's name (a
             function's ``__name__``), made unique (``name``, ``name_2``, ...).
         weights: one float per source, in the order of ``names``.
@@ -164,6 +167,7 @@ class RewardSources:
             raise ValueError(f"on_error must be one of {REWARD_ERROR_MODES}, got {on_error!r}.")
         self.on_error = on_error
         self.last_errors = 0
+        self.last_log = RewardLog()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         if max_length is not None and (
@@ -254,6 +258,18 @@ class RewardSources:
             weights.append(value)
         return weights
 
+    @property
+    def may_log(self) -> bool:
+        """Whether a source can log metrics or columns (a reward function that takes ``log_metric``,
+        ``log_extra`` or ``**kwargs``; a source of one's own may write to ``batch.log`` too, so any source
+        that is not a reward function or the reward model counts). The same on every process."""
+        for source in self.sources:
+            if source is self.model_source:
+                continue
+            if not isinstance(source, RewardFunctionSource) or source.may_log:
+                return True
+        return False
+
     def __repr__(self) -> str:
         sources = ", ".join(f"{n}={w:g}" for n, w in zip(self.names, self.weights, strict=True))
         return f"{type(self).__name__}({sources}, same_tokenizer={self.same_tokenizer})"
@@ -267,6 +283,8 @@ class RewardSources:
         columns: Mapping[str, Sequence[Any]] | None = None,
         reward_model_forward: Callable[..., Any] | None = None,
         prompt_width: int | None = None,
+        completion_lengths: Sequence[int] | torch.Tensor | None = None,
+        trainer_state: Any = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score a rollout batch with every source.
 
@@ -274,17 +292,24 @@ class RewardSources:
             query_response_ids: (B, T) left-padded prompt ids followed by the response ids, the response
                 right-padded after it stops; both paddings use the policy tokenizer's pad id.
             prompts: the B prompts as in the dataset (strings or lists of ``{"role", "content"}``).
-            completions: the B decoded responses (special tokens skipped).
+            completions: the B decoded responses (special tokens skipped); reward functions receive them
+                as assistant messages when the prompts are conversational.
             columns: the other dataset columns of these rows, each a sequence of length B, passed to
                 the reward functions as keyword arguments.
             reward_model_forward: replaces ``reward_model.__call__`` (e.g. a DeepSpeed engine).
             prompt_width: the columns of ``query_response_ids`` that hold the prompts (for sources that
-                read :attr:`~rlhf_trainers.rewards.RewardBatch.completion_ids`).
+                read :attr:`~rlhf_trainers.rewards.RewardBatch.completion_ids`, and the reward functions'
+                ``completion_ids``).
+            completion_lengths: B response lengths in tokens (the stop token included), which cut the
+                reward functions' ``completion_ids``; None: each row's trailing pad ids are cut instead.
+            trainer_state: the reward functions' ``trainer_state`` (the trainer's ``TrainerState``).
 
         Returns:
             ``(total, per_source)``: ``per_source[name]`` a float32 (B,) CPU tensor per source (in the
-            order of ``names``, NaN where a function gave None or a non-finite value), and
-            ``total = sum(weight * per_source[name])`` (NaN where any source is NaN).
+            order of ``names``, NaN where a function gave None or a non-finite value), and ``total``, the
+            sum of ``weight * per_source[name]`` over the sources that scored the row (NaN where none did,
+            or where a failing source left the row unscored). What the functions logged is in
+            :attr:`last_log`.
 
         Raises:
             ValueError: inputs of mismatched lengths; a column named like a fixed argument; a reward
@@ -296,6 +321,13 @@ class RewardSources:
         prompts, completions = list(prompts), list(completions)
         rows = len(prompts)
         self._check_batch(query_response_ids, completions, columns, rows)
+        if isinstance(completion_lengths, torch.Tensor):
+            completion_lengths = completion_lengths.tolist()
+        if completion_lengths is not None and len(completion_lengths) != rows:
+            raise ValueError(
+                f"completion_lengths has {len(completion_lengths)} values for a batch of {rows}; give one per row."
+            )
+        log = RewardLog()
         batch = RewardBatch(
             prompts=prompts,
             completions=completions,
@@ -304,19 +336,46 @@ class RewardSources:
             prompt_width=prompt_width,
             columns=dict(columns or {}),
             reward_model_forward=reward_model_forward,
+            completion_lengths=completion_lengths,
+            trainer_state=trainer_state,
+            log=log,
         )
+        self.last_log = log
         for source in self.sources:
             check = getattr(source, "check", None)
             if callable(check):
                 check(batch)
         self.last_errors = 0
-        per_source: dict[str, torch.Tensor] = {}
+        results: dict[str, Any] = {}
+        concurrent = []
         for source, name in zip(self.sources, self.names, strict=True):
-            per_source[name] = _scores(source.score(batch), name, rows)
-            self.last_errors += int(getattr(source, "last_errors", 0) or 0)
+            if getattr(source, "is_async", False) and callable(getattr(source, "ascore", None)):
+                concurrent.append((source, name))
+            else:
+                results[name] = source.score(batch)
+        if concurrent:
+
+            async def score_concurrently() -> list[Any]:
+                return await asyncio.gather(*(source.ascore(batch) for source, _ in concurrent))
+
+            for (_, name), values in zip(concurrent, run_coroutine(score_concurrently()), strict=True):
+                results[name] = values
+        per_source: dict[str, torch.Tensor] = {}
+        failed = torch.zeros(rows, dtype=torch.bool)
+        scored = torch.zeros(rows, dtype=torch.bool)
+        for source, name in zip(self.sources, self.names, strict=True):
+            per_source[name] = _scores(results[name], name, rows)
+            errors = int(getattr(source, "last_errors", 0) or 0)
+            self.last_errors += errors
+            missing = per_source[name].isnan()
+            scored |= ~missing
+            if errors:
+                failed |= missing
         total = torch.zeros(rows, dtype=torch.float32)
         for name, weight in zip(self.names, self.weights, strict=True):
-            total = total + weight * per_source[name]
+            weighted = weight * per_source[name]
+            total = total + torch.where(weighted.isnan(), torch.zeros_like(weighted), weighted)
+        total[failed | ~scored] = math.nan
         return total, per_source
 
     @staticmethod
@@ -342,10 +401,10 @@ class RewardSources:
                 "the rows must be the same sequences, in the same order."
             )
         for key, values in (columns or {}).items():
-            if key in _FIXED_ARGS:
+            if key in REWARD_FUNC_ARGS:
                 raise ValueError(
-                    f"columns must not contain {key!r}: reward functions get prompts= and completions= from "
-                    "the rollout. Rename that dataset column."
+                    f"columns must not contain {key!r}: reward functions get {key}= from the trainer (the "
+                    f"arguments it passes: {list(REWARD_FUNC_ARGS)}). Rename that dataset column."
                 )
             if len(values) != batch:
                 raise ValueError(
