@@ -84,8 +84,8 @@ def trl_table(cls: type) -> str:
             how = f"refused unless {_fmt(ours[name])}: {trl_compat.REFUSED[name]}"
         elif name in trl_compat.INERT:
             how = f"accepted, no effect: {trl_compat.INERT[name]}"
-        elif name in trl_compat.ALIASES:
-            how = f"same meaning; sets {trl_compat.ALIASES[name]}"
+        elif name in trl_compat.ALIASES[cls.__name__]:
+            how = f"same meaning; sets {trl_compat.ALIASES[cls.__name__][name]}"
         else:
             how = "same meaning"
         if name in differences:

@@ -89,21 +89,32 @@ INERT: dict[str, str] = {
     "integer is refused.",
 }
 
-#: field -> what it sets here (accepted with TRL's meaning under another name, or folded into one).
-ALIASES: dict[str, str] = {
-    "trust_remote_code": "model_init_kwargs['trust_remote_code']",
-    "entropy_coef": "entropy_coeff (with loss_type 'dapo' or 'bnpo', where both are the token mean)",
-    "vllm_importance_sampling_clip_max": "vllm_importance_sampling_cap",
-    "reward_clip_range": "reward_clip (a symmetric range)",
-    "num_generations": "rloo_k (RLOOConfig)",
-    "beta": "kl_coef (RLOOConfig); kl_loss_coef (GRPOConfig)",
+_ENGINE_ALIASES = {
     "epsilon": "cliprange",
     "epsilon_high": "cliprange_high",
     "num_iterations": "num_ppo_epochs",
     "max_completion_length": "response_length",
-    "normalize_advantages": "normalize_advantage (RLOOConfig)",
     "steps_per_generation": "num_mini_batches = steps_per_generation / gradient_accumulation_steps",
     "generation_batch_size": "steps_per_generation",
+    "trust_remote_code": "model_init_kwargs['trust_remote_code']",
+}
+
+#: config class name -> {TRL field: what it sets here} (TRL's meaning under our name, or folded into one).
+ALIASES: dict[str, dict[str, str]] = {
+    "GRPOConfig": {
+        **_ENGINE_ALIASES,
+        "beta": "kl_loss_coef (the KL as a loss term)",
+        "entropy_coef": "entropy_coeff (with loss_type 'dapo' or 'bnpo', where both are the token mean)",
+        "vllm_importance_sampling_clip_max": "vllm_importance_sampling_cap",
+    },
+    "RLOOConfig": {
+        **_ENGINE_ALIASES,
+        "num_generations": "rloo_k",
+        "beta": "kl_coef (the KL in the reward)",
+        "normalize_advantages": "normalize_advantage",
+        "reward_clip_range": "reward_clip (a symmetric range)",
+    },
+    "RewardConfig": {"trust_remote_code": "model_init_kwargs['trust_remote_code']"},
 }
 
 _WHY_BF16 = (
