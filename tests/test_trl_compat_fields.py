@@ -320,3 +320,15 @@ def test_log_completions_logs_a_table_to_wandb_when_it_runs(capsys, monkeypatch)
     columns, data = logged[0]["completions"]
     assert columns == ["step", "prompt", "completion", "f", "advantage"]
     assert data == [[7, "a", "x", 1.0, 0.5], [7, "b", "z", 0.5, 0.0]]  # one row per prompt
+
+
+def test_rloo_built_without_args_as_trl_1x_does_counts_optimizer_steps(kit, tmp_path, monkeypatch):
+    """TRL 1.x's call, ``RLOOTrainer(model, reward_funcs=..., train_dataset=...)``: TRL's step semantics."""
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
+    trainer = RLOOTrainer(
+        model=kit.load_model("llama-sft"),
+        reward_funcs=true_reward,
+        train_dataset=kit.prompt_dataset("train", n=32),
+        processing_class=kit.load_tokenizer(),
+    )
+    assert trainer.args.trl_semantics and trainer.args.num_ppo_epochs == 1 and trainer.steps_per_update == 1
