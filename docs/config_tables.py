@@ -1,4 +1,5 @@
-"""Write the field tables of docs/ppo.md, docs/grpo.md and docs/cpu.md from the dataclasses' metadata.
+"""Write the field tables of docs/ppo.md, docs/grpo.md, docs/cpu.md and docs/coming-from-trl.md from the
+dataclasses' metadata (and, for the last, TRL 1.16's fields in tests/data/trl_1_16_fields.json).
 
     python docs/config_tables.py           # rewrite the tables between the markers
     python docs/config_tables.py --check   # exit 1 if a page is out of date
@@ -11,15 +12,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
 
 from transformers import TrainingArguments
 
-from rlhf_trainers import CPUOptions, GRPOConfig, OnPolicyConfig, PPOConfig
+import rlhf_trainers.trl_compat as trl_compat
+from rlhf_trainers import CPUOptions, GRPOConfig, OnPolicyConfig, PPOConfig, RewardConfig, RLOOConfig
 
 HERE = Path(__file__).resolve().parent
+TRL_FIELDS = HERE.parent / "tests" / "data" / "trl_1_16_fields.json"
 
 
 def _default(f: dataclasses.Field) -> object:
@@ -39,7 +43,12 @@ def _cell(text: str) -> str:
 
 
 def _own_fields(cls: type, parent: type | None) -> list[dataclasses.Field]:
+    """The fields ``cls`` adds to ``parent``, without TRL's fields of ``rlhf_trainers.trl_compat`` (listed
+    on docs/coming-from-trl.md)."""
     inherited = {f.name for f in dataclasses.fields(parent)} if parent is not None else set()
+    for mixin in (trl_compat.TRLGenerationFields, trl_compat.TRLGRPOFields, trl_compat.TRLRewardFields):
+        if issubclass(cls, mixin):
+            inherited |= {f.name for f in dataclasses.fields(mixin)}
     return [f for f in dataclasses.fields(cls) if f.name not in inherited]
 
 
@@ -64,6 +73,29 @@ def changed_defaults() -> str:
     return "\n".join(rows)
 
 
+def trl_table(cls: type) -> str:
+    """TRL 1.16's fields of the class of the same name beside ours: defaults and how each is taken."""
+    trl = json.loads(TRL_FIELDS.read_text(encoding="utf-8"))["classes"][cls.__name__]
+    ours = {f.name: _default(f) for f in dataclasses.fields(cls)}
+    differences = trl_compat.DIFFERENCES[cls.__name__]
+    rows = ["| TRL field | TRL default | ours | here |", "|---|---|---|---|"]
+    for name, default in trl.items():
+        if name in trl_compat.REFUSED:
+            how = f"refused unless {_fmt(ours[name])}: {trl_compat.REFUSED[name]}"
+        elif name in trl_compat.INERT:
+            how = f"accepted, no effect: {trl_compat.INERT[name]}"
+        elif name in trl_compat.ALIASES[cls.__name__]:
+            how = f"same meaning; sets {trl_compat.ALIASES[cls.__name__][name]}"
+        else:
+            how = "same meaning"
+        if name in differences:
+            how += f"; default differs: {differences[name]}"
+        elif how == "same meaning":
+            how = "same"
+        rows.append(f"| `{name}` | {_fmt(default)} | {_fmt(ours.get(name, '(missing)'))} | {_cell(how)} |")
+    return "\n".join(rows)
+
+
 def pages() -> dict[Path, dict[str, str]]:
     """Each page's marked blocks and their tables."""
     return {
@@ -74,6 +106,11 @@ def pages() -> dict[Path, dict[str, str]]:
         },
         HERE / "grpo.md": {"grpo-fields": table(GRPOConfig, OnPolicyConfig)},
         HERE / "cpu.md": {"cpu-fields": table(CPUOptions)},
+        HERE / "coming-from-trl.md": {
+            "trl-grpo-fields": trl_table(GRPOConfig),
+            "trl-rloo-fields": trl_table(RLOOConfig),
+            "trl-reward-fields": trl_table(RewardConfig),
+        },
     }
 
 

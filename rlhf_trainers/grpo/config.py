@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..functional import SCALE_REWARDS, get_advantage_estimator
 from ..onpolicy.config import OnPolicyConfig, named_as_given
+from ..trl_compat import (
+    TRLGenerationFields,
+    TRLGRPOFields,
+    fold_trust_remote_code,
+    refuse_unsupported,
+    resolve_grpo_aliases,
+    resolve_min_p,
+    resolve_steps_per_generation,
+)
 
 #: ``loss_type`` -> the engine's ``loss_agg_mode``. Every mode's counts cover the whole optimizer step
 #: (all micro-batches and processes), so none depends on how the batch is split; TRL's "bnpo" divides by
@@ -34,7 +42,7 @@ _ENGINE_NAMES = {
 
 
 @dataclass
-class GRPOConfig(OnPolicyConfig):
+class GRPOConfig(TRLGRPOFields, TRLGenerationFields, OnPolicyConfig):
     """Configuration of :class:`~rlhf_trainers.GRPOTrainer`, with TRL's ``GRPOConfig`` names, defaults
     and batch semantics.
 
@@ -57,6 +65,10 @@ class GRPOConfig(OnPolicyConfig):
     ``kl_loss_coef`` (the KL is a loss term, k3 by default: ``kl_loss_estimator``), ``loss_type`` ->
     ``loss_agg_mode``. There is no KL in the reward (``kl_coef=0``), and with ``beta=0`` (the default)
     no reference model is built, loaded or run.
+
+    **TRL's other fields** (:mod:`rlhf_trainers.trl_compat`): every field of TRL 1.16's ``GRPOConfig`` is
+    accepted; those not implemented here only at TRL's default (another value is refused at construction,
+    naming what to use). docs/coming-from-trl.md lists them.
     """
 
     # ---- TRL's GRPO fields -----------------------------------------------------------------------
@@ -159,11 +171,15 @@ class GRPOConfig(OnPolicyConfig):
     save_steps: float = field(default=500, metadata={"help": "Save a checkpoint every X optimizer steps."})
 
     def __post_init__(self) -> None:
+        resolve_min_p(self)
+        refuse_unsupported(self)
+        resolve_grpo_aliases(self)
         self._map_trl_names()
         try:
             super().__post_init__()
         except ValueError as err:  # an engine field set from a TRL name: name the TRL field
             raise named_as_given(err, self, {ours: trl for trl, ours in _ENGINE_NAMES.items()}) from err
+        fold_trust_remote_code(self)
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO's baseline is the mean of a prompt's group, "
@@ -236,28 +252,7 @@ class GRPOConfig(OnPolicyConfig):
 
     def _steps_per_generation(self) -> int:
         """steps_per_generation, from itself, generation_batch_size or gradient_accumulation_steps."""
-        given, total = self.steps_per_generation, self.generation_batch_size
-        # Processes from the launcher's environment (torchrun / accelerate launch set WORLD_SIZE): the
-        # distributed state is set up later, in TrainingArguments.__post_init__.
-        per_step = self.per_device_train_batch_size * max(1, int(os.environ.get("WORLD_SIZE", "1")))
-        if total is not None:
-            if isinstance(total, bool) or not isinstance(total, int) or total < 1 or total % per_step:
-                raise ValueError(
-                    f"generation_batch_size={total!r}: expected a multiple of per_device_train_batch_size x "
-                    f"processes = {per_step}."
-                )
-            from_total = total // per_step
-            if given is not None and given != from_total:
-                raise ValueError(
-                    f"generation_batch_size={total} (= {from_total} steps of {per_step}) conflicts with "
-                    f"steps_per_generation={given}; give one of them."
-                )
-            return from_total
-        if given is None:
-            return self.gradient_accumulation_steps
-        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
-            raise ValueError(f"steps_per_generation={given!r}: expected an integer >= 1, or None.")
-        return given
+        return resolve_steps_per_generation(self, self.gradient_accumulation_steps)
 
     @property
     def optimizer_steps_per_generation(self) -> int:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import random
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -149,3 +150,119 @@ def evaluate(
         trainer.args, trainer.state, trainer.control, metrics
     )
     return metrics
+
+
+def completions_table(trainer: Any) -> dict[str, list[Any]] | None:
+    """The last rollout of this process as TRL's completions table: columns ``prompt``, ``completion``, one
+    per reward source (its score) and ``advantage`` (the sequence's; the mean over its tokens where the
+    advantages are per token). ``num_completions_to_print`` rows drawn at random (seeded by ``seed`` and the
+    step), all when None; None before the first update."""
+    rollout, advantages = getattr(trainer, "_last_rollout", None), getattr(trainer, "_last_advantages", None)
+    if rollout is None or advantages is None:
+        return None
+    adv = advantages.advantages.detach().float().cpu()
+    if adv.shape[1] == 1:
+        per_row = adv[:, 0]
+    else:
+        mask = rollout.response_mask.detach().cpu().float()
+        per_row = (adv * mask).sum(1) / mask.sum(1).clamp(min=1)
+    rows = list(range(len(rollout.completions)))
+    wanted = trainer.args.num_completions_to_print
+    if wanted is not None and wanted < len(rows):
+        rows = sorted(
+            random.Random(trainer.args.seed * 1_000_003 + trainer.state.global_step).sample(rows, wanted)
+        )
+    table: dict[str, list[Any]] = {
+        "prompt": [rollout.prompts[i] for i in rows],
+        "completion": [rollout.completions[i] for i in rows],
+    }
+    for name, scores in rollout.per_source.items():
+        values = scores.detach().float().cpu()
+        table[name] = [float(values[i]) for i in rows]
+    table["advantage"] = [float(per_row[i]) for i in rows]
+    return table
+
+
+def _as_text(value: Any) -> str:
+    """A prompt or completion as text: chat messages as ``ROLE: content`` lines."""
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return "\n".join(f"{str(m.get('role', '')).upper()}: {m.get('content', '')}" for m in value)
+    return str(value)
+
+
+def print_completions(table: dict[str, list[Any]], step: int) -> None:
+    """Print the completions table: a rich table in a panel titled with the step when ``rich`` is installed,
+    else plain text (one block per row)."""
+    numeric = [name for name in table if name not in ("prompt", "completion")]
+    try:
+        from rich.console import Console
+        from rich.panel import Panel
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:
+        lines = [f"Step {step}"]
+        for i, prompt in enumerate(table["prompt"]):
+            values = "  ".join(f"{name}={table[name][i]:.2f}" for name in numeric)
+            lines.append(
+                f"--- {values}\nPrompt: {_as_text(prompt)}\nCompletion: {_as_text(table['completion'][i])}"
+            )
+        print("\n".join(lines))
+        return
+    rich_table = Table(show_header=True, header_style="bold white", expand=True)
+    rich_table.add_column("Prompt", style="bright_yellow")
+    rich_table.add_column("Completion", style="bright_green")
+    for name in numeric:
+        rich_table.add_column(name.capitalize() if name == "advantage" else name, justify="right")
+    for i, prompt in enumerate(table["prompt"]):
+        rich_table.add_row(
+            Text(_as_text(prompt)),  # (Text: brackets in a prompt are not rich markup)
+            Text(_as_text(table["completion"][i])),
+            *(f"{table[name][i]:.2f}" for name in numeric),
+        )
+        rich_table.add_section()
+    Console().print(Panel(rich_table, expand=False, title=f"Step {step}", border_style="bold white"))
+
+
+def log_completions(trainer: Any) -> None:
+    """``log_completions``: at a logging step, print the last rollout's table (main process) and log it, with
+    a ``step`` column, to wandb / trackio when they are in ``report_to`` (as TRL does; with
+    ``log_unique_prompts`` one row per distinct prompt there)."""
+    if not trainer.is_world_process_zero():
+        return
+    table = completions_table(trainer)
+    if table is None:
+        return
+    step = trainer.state.global_step
+    print_completions(table, step)
+    report_to = trainer.args.report_to or []
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+    backends = []
+    if "wandb" in report_to:
+        import wandb
+
+        if wandb.run is not None:
+            backends.append(wandb)
+    if "trackio" in report_to:
+        import trackio
+
+        backends.append(trackio)
+    if not backends:
+        return
+    columns = ["step", *table]
+    rows = [
+        [
+            step,
+            *(
+                _as_text(v) if name in ("prompt", "completion") else v
+                for name, v in zip(table, row, strict=True)
+            ),
+        ]
+        for row in zip(*table.values(), strict=True)
+    ]
+    if trainer.args.log_unique_prompts:
+        first: dict[str, list[Any]] = {}
+        for row in rows:
+            first.setdefault(row[1], row)
+        rows = list(first.values())
+    for backend in backends:
+        backend.log({"completions": backend.Table(columns=columns, data=rows)})

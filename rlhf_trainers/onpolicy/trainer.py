@@ -742,6 +742,8 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             logs["train/nonfinite_steps_skipped"] = self._log_buffer["train/nonfinite_steps_skipped"][-1]
             self._log_buffer.clear()
             self.log(logs)
+            if getattr(self.args, "log_completions", False):  # (TRL's field: GRPOConfig, RLOOConfig)
+                evaluation.log_completions(self)
         if self.control.should_evaluate:
             self.evaluate()
         if self.control.should_save:

@@ -8,13 +8,14 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..reliability import ReliabilityArguments
+from ..trl_compat import TRLRewardFields, fold_trust_remote_code, refuse_unsupported
 
 LONG_PAIRS = ("truncate", "drop")
 NORMALIZATION_WHEN = ("no", "before", "after", "before_and_after")
 
 
 @dataclass
-class RewardConfig(ReliabilityArguments, TrainingArguments):
+class RewardConfig(TRLRewardFields, ReliabilityArguments, TrainingArguments):
     """Configuration of :class:`~rlhf_trainers.RewardTrainer`: every ``TrainingArguments`` field, plus
     the fields below. Defaults that differ from ``TrainingArguments``: ``num_train_epochs=1`` (as
     in the reference implementation), ``ddp_find_unused_parameters=False``, ``logging_steps=10`` and
@@ -22,6 +23,9 @@ class RewardConfig(ReliabilityArguments, TrainingArguments):
 
     The learning rate stays ``TrainingArguments``' 5e-5 and the schedule linear to zero, as the
     reference implementation trains its reward model (one epoch, learning rate annealed to zero).
+
+    Every field of TRL 1.16's ``RewardConfig`` is accepted; those not implemented here only at TRL's default
+    (:mod:`rlhf_trainers.trl_compat`; docs/coming-from-trl.md lists them).
     """
 
     max_length: int | None = field(
@@ -128,7 +132,9 @@ class RewardConfig(ReliabilityArguments, TrainingArguments):
             import json
 
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        refuse_unsupported(self)
         super().__post_init__()
+        fold_trust_remote_code(self)
         self._check_reliability_fields()
         if self.long_pairs not in LONG_PAIRS:
             raise ValueError(f"long_pairs={self.long_pairs!r}: expected one of {LONG_PAIRS}.")

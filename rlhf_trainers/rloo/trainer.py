@@ -75,7 +75,8 @@ class RLOOTrainer(OnPolicyTrainer):
             :class:`~rlhf_trainers.PPOTrainer`.
 
     The aliases are the names of the RLOO blog's snippet (TRL's first RLOOTrainer), so that code runs
-    unchanged; giving both a name and its alias is an error.
+    unchanged; giving both a name and its alias is an error. Without ``args``, a call with ``reward_funcs``
+    and no ``reward_model`` (TRL 1.x's) gets TRL 1.x's step semantics (``RLOOConfig.trl_semantics``).
     """
 
     _config_class = RLOOConfig
@@ -115,6 +116,9 @@ class RLOOTrainer(OnPolicyTrainer):
         processing_class = _alias("processing_class", processing_class, "tokenizer", tokenizer)
         if model is None:
             raise ValueError("RLOOTrainer needs a policy: model=<path, Hub id or causal-LM model>.")
+        if args is None and reward_funcs is not None and reward_model is None:
+            # TRL 1.x's call (RLOOTrainer(model, reward_funcs=..., train_dataset=...)): its step semantics.
+            args = RLOOConfig(output_dir="rloo-output", trl_semantics=True)
         if reward_funcs is not None and reward_model is None:
             # TRL 1.x: a reward model may come in reward_funcs (alone or in a list with functions).
             args = self._checked_args(args)
@@ -140,11 +144,30 @@ class RLOOTrainer(OnPolicyTrainer):
             cpu_options=cpu_options,
         )
 
-    completions_per_prompt_name = "rloo_k"
+    @property
+    def completions_per_prompt_name(self) -> str:  # type: ignore[override]
+        """The field named in error messages: the one the config was written with."""
+        return "num_generations" if self.args.num_generations is not None else "rloo_k"
 
     @property
     def completions_per_prompt(self) -> int:  # type: ignore[override]
         return self.args.rloo_k
+
+    def batch_accounting(self) -> str:
+        """The sizes of one update, as printed before training; with TRL 1.x's semantics, what a step is."""
+        text = super().batch_accounting()
+        if self.args.trl_semantics:
+            text += (
+                f" TRL 1.x's step semantics: a step is one optimizer step, {self.steps_per_update} per generation "
+                f"({self.num_updates * self.steps_per_update} in the run)."
+            )
+        return text
+
+    @property
+    def steps_per_update(self) -> int:
+        """Trainer steps per update: 1 with the blog's / TRL 0.x's names (a step is an update); the update's
+        optimizer steps with TRL 1.x's (``RLOOConfig.trl_semantics``), as TRL 1.x's RLOOTrainer counts."""
+        return self.args.steps_per_update
 
 
 def _alias(name: str, value: Any, alias: str, alias_value: Any) -> Any:
