@@ -346,20 +346,7 @@ class RewardSources:
             if callable(check):
                 check(batch)
         self.last_errors = 0
-        results: dict[str, Any] = {}
-        concurrent = []
-        for source, name in zip(self.sources, self.names, strict=True):
-            if getattr(source, "is_async", False) and callable(getattr(source, "ascore", None)):
-                concurrent.append((source, name))
-            else:
-                results[name] = source.score(batch)
-        if concurrent:
-
-            async def score_concurrently() -> list[Any]:
-                return await asyncio.gather(*(source.ascore(batch) for source, _ in concurrent))
-
-            for (_, name), values in zip(concurrent, run_coroutine(score_concurrently()), strict=True):
-                results[name] = values
+        results = self._scores_of_every_source(batch)
         per_source: dict[str, torch.Tensor] = {}
         failed = torch.zeros(rows, dtype=torch.bool)
         scored = torch.zeros(rows, dtype=torch.bool)
@@ -377,6 +364,25 @@ class RewardSources:
             total = total + torch.where(weighted.isnan(), torch.zeros_like(weighted), weighted)
         total[failed | ~scored] = math.nan
         return total, per_source
+
+    def _scores_of_every_source(self, batch: RewardBatch) -> dict[str, Any]:
+        """Each source's raw scores of ``batch``, by name: the sync sources in order, then every async
+        source at once (``asyncio.gather``)."""
+        results: dict[str, Any] = {}
+        concurrent = []
+        for source, name in zip(self.sources, self.names, strict=True):
+            if getattr(source, "is_async", False) and callable(getattr(source, "ascore", None)):
+                concurrent.append((source, name))
+            else:
+                results[name] = source.score(batch)
+        if concurrent:
+
+            async def score_concurrently() -> list[Any]:
+                return await asyncio.gather(*(source.ascore(batch) for source, _ in concurrent))
+
+            for (_, name), values in zip(concurrent, run_coroutine(score_concurrently()), strict=True):
+                results[name] = values
+        return results
 
     @staticmethod
     def _check_batch(
