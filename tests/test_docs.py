@@ -463,6 +463,9 @@ _METRIC_PREFIXES = (
     "timing/",
     "perf/",
     "train/",
+    "completions/",
+    "clip_ratio/",
+    "rewards/",
 )
 
 
@@ -471,7 +474,7 @@ def _logged_metric_names() -> set[str]:
     and the keys of the reward trainer's pair metrics."""
     names: set[str] = set()
     sources = [REPO / "rlhf_trainers" / "reliability.py"]
-    for package in ("onpolicy", "ppo", "rloo", "reward"):
+    for package in ("onpolicy", "ppo", "rloo", "grpo", "reward"):
         sources += sorted((REPO / "rlhf_trainers" / package).glob("*.py"))
     for path in sources:
         tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -13,6 +13,8 @@ from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 class GRPOObjective(Objective):
     """GRPO (TRL's GRPOTrainer), with verl's estimators by name."""
 
+    trl_metric_names = True
+
     def advantages(self, rollout: Rollout, rewards: torch.Tensor, kl_coef: float) -> Advantages:
         """The advantages of ``advantage_estimator`` (registered by name: group-relative with
         ``scale_rewards``, leave-one-out, REINFORCE++ per token, or one of yours); the vLLM importance
@@ -56,7 +58,7 @@ class GRPOObjective(Objective):
     def metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
         """``objective/reward_std`` (mean over prompts of the std of their group's rewards),
         ``objective/frac_reward_zero_std`` (groups whose rewards are all equal: no learning signal, TRL's
-        name) and ``rollout/num_completions_kept``."""
+        name; also logged as TRL 1.x's ``frac_reward_zero_std``) and ``rollout/num_completions_kept``."""
         G = self.args.num_generations
         reward = advantages.rlhf_reward.float().reshape(G, -1)
         ok = rollout.valid_rows.reshape(G, -1).all(0)
@@ -71,8 +73,10 @@ class GRPOObjective(Objective):
         ).double()
         sums = self.collectives.all_reduce(sums.to(self.collectives.accelerator.device)).cpu()
         groups = float(sums[2])
+        frac_zero_std = float(sums[1]) / groups if groups else 0.0
         return {
             "objective/reward_std": float(sums[0]) / groups if groups else 0.0,
-            "objective/frac_reward_zero_std": float(sums[1]) / groups if groups else 0.0,
+            "objective/frac_reward_zero_std": frac_zero_std,
+            "frac_reward_zero_std": frac_zero_std,  # TRL's name
             "rollout/num_completions_kept": float(sums[3]),
         }

@@ -8,14 +8,16 @@ import logging
 import math
 import os
 import random
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.trainer_utils import speed_metrics
 
 from ..models import embedding_rows
 from ..rewards import RewardLog
-from .metrics import logged_metric_means
+from .metrics import logged_metric_means, trl_sample_metrics
 from .rollout import Rollout
 from .setup import tokenize
 
@@ -85,9 +87,14 @@ def evaluate(
 ) -> dict[str, float]:
     """Generate on ``eval_dataset`` (default: the one given at construction) with the training
     sampling settings, score with every reward source and log ``{prefix}_objective/scores`` (and per
-    source), the response length and the stop-token rate. Runs the rollout's steps 2 and 3
-    (the producer's ``sample_and_score``). The sampling RNG is seeded from ``seed`` and forked, so evaluation
-    neither changes the training run nor varies between calls on the same weights."""
+    source), the response length and the stop-token rate, with ``transformers.Trainer``'s
+    ``{prefix}_runtime``, ``{prefix}_samples_per_second`` and ``{prefix}_steps_per_second``; where the
+    objective logs TRL 1.x's names (GRPO, RLOO) also ``{prefix}_reward``, ``{prefix}_reward_std``,
+    ``{prefix}_rewards/<source>/mean`` and ``/std``, ``{prefix}_completions/*`` and ``{prefix}_num_tokens``
+    (:func:`~.metrics.trl_sample_metrics`). Runs the rollout's steps 2 and 3 (the producer's
+    ``sample_and_score``). The sampling RNG is seeded from ``seed`` and forked, so evaluation neither
+    changes the training run nor varies between calls on the same weights."""
+    start_time = time.time()
     if eval_dataset is None:
         eval_dataset = trainer.eval_dataset
     else:
@@ -105,6 +112,8 @@ def evaluate(
     devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     reward_log = RewardLog()  # what the reward functions logged (log_metric), over the eval batches
+    sources: dict[str, list[torch.Tensor]] = defaultdict(list)
+    batches = 0
     samples_table: list[dict[str, Any]] = []
     with (
         torch.random.fork_rng(devices=devices),
@@ -122,8 +131,10 @@ def evaluate(
             parts["val/stop_token_rate"].append(scores.found_stop.float())
             for name, values in scores.per_source.items():
                 parts[f"objective/scores/{name}"].append(values.to(scores.total.device))
+                sources[name].append(values.to(scores.total.device))
             if scores.reward_log is not None:
                 reward_log.update(scores.reward_log)
+            batches += 1
             if len(samples_table) < trainer.args.sample_table_size:
                 samples_table.extend(
                     {"prompt": p, "completion": c, "score": float(x)}
@@ -142,6 +153,20 @@ def evaluate(
     if trainer.reward_sources.may_log:  # the reward functions' log_metric values, as in training
         for name, value in logged_metric_means(reward_log.metrics, trainer.collectives).items():
             metrics.setdefault(f"{metric_key_prefix}_{name}", value)
+    if trainer.algorithm.trl_metric_names:
+        lengths = torch.cat(parts["val/response_length"])
+        trl, _ = trl_sample_metrics(
+            torch.cat(parts["objective/scores"]),
+            {name: torch.cat(values) for name, values in sources.items()},
+            lengths,
+            torch.cat(parts["val/stop_token_rate"]),
+            torch.zeros_like(lengths),
+            trainer.collectives,
+            keep=keep,
+        )
+        trl["num_tokens"] = float(trainer.state.num_input_tokens_seen)
+        metrics.update({f"{metric_key_prefix}_{name}": value for name, value in trl.items()})
+    metrics.update(speed_metrics(metric_key_prefix, start_time, num_samples=n, num_steps=batches))
     if trainer.is_world_process_zero() and samples_table:
         title = f"evaluation samples at update {trainer.state.global_step}"
         print_sample_table(samples_table[: trainer.args.sample_table_size], title, to_log=True)

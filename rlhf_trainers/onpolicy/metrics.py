@@ -1,10 +1,17 @@
 """Step 8 of the update: the metrics every on-policy algorithm logs (TRL's names), over all processes,
 and the collectives that reduce them (:class:`Collectives`). An algorithm adds its own in its
-objective's :meth:`~rlhf_trainers.onpolicy.objective.Objective.metrics`."""
+objective's :meth:`~rlhf_trainers.onpolicy.objective.Objective.metrics`.
+
+GRPO and RLOO also log TRL 1.x's ``GRPOTrainer`` / ``RLOOTrainer`` names
+(``Objective.trl_metric_names``): the rollout's and the evaluation's with :func:`trl_sample_metrics`, the
+training passes' per micro-batch (:func:`trl_clip_metrics`, the entropy and the KL loss term) reduced over
+the processes by :class:`MicroBatchReductions`."""
 
 from __future__ import annotations
 
 import logging
+import math
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -208,3 +215,177 @@ def rollout_sampling_metrics(
         w = weights[rollout.valid_rows].reshape(-1).float()
     diff = (rollout.logprobs - rollout.generation_logprobs).float()[mask]
     return sampling_mismatch_metrics(diff, w, collectives, sync_seconds)
+
+
+# ---- TRL 1.x's GRPOTrainer / RLOOTrainer names -------------------------------------------------------
+
+#: TRL's names logged as a mean over the tokens (or sequences) of one micro-batch on all processes, then
+#: averaged over the micro-batches: each micro-batch gives a ``(sum, count)`` pair.
+TRL_GLOBAL_MEANS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+#: TRL's names logged as the smallest (``clip_ratio/low_min``) or largest (``clip_ratio/high_max``) value over
+#: the sequences of one micro-batch on all processes, then averaged over the micro-batches.
+TRL_GLOBAL_MINS = ("clip_ratio/low_min",)
+TRL_GLOBAL_MAXES = ("clip_ratio/high_max",)
+
+
+def trl_sample_metrics(
+    total: torch.Tensor,
+    per_source: dict[str, torch.Tensor],
+    lengths: torch.Tensor,
+    found_stop: torch.Tensor,
+    prompt_tokens: torch.Tensor,
+    collectives: Collectives,
+    keep: torch.Tensor | None = None,
+) -> tuple[dict[str, float], float]:
+    """TRL's reward and completion metrics of sampled completions, over all processes (a collective).
+
+    Args:
+        total: (N,) the weighted sum of the reward sources before shaping; NaN where there is no reward.
+        per_source: (N,) each reward source's score, by name; NaN where it gave none.
+        lengths: (N,) completion tokens, the stop token included.
+        found_stop: (N,) bool, whether the completion ended with its stop token.
+        prompt_tokens: (N,) prompt tokens (padding not counted).
+        collectives: the processes' collectives.
+        keep: (N,) bool, the rows to count (None: all).
+
+    Returns:
+        ``(metrics, tokens)``: ``reward`` and ``reward_std`` (mean and unbiased std over the completions
+        with a reward), ``rewards/<source>/mean`` and ``/std`` (over the completions the source scored),
+        ``completions/mean_length``, ``/min_length``, ``/max_length`` (all completions),
+        ``completions/clipped_ratio`` (share without a stop token) and ``completions/mean_terminated_length``,
+        ``/min_terminated_length``, ``/max_terminated_length`` (those with one; 0 when there is none);
+        ``tokens`` is the prompt and completion tokens of the rows counted.
+    """
+    device = collectives.accelerator.device
+    names = list(per_source)
+    columns = [total, lengths, found_stop, prompt_tokens, *(per_source[n] for n in names)]
+    rows = torch.stack([c.to(device).float().reshape(-1) for c in columns], dim=1)
+    if keep is None:
+        keep = torch.ones(rows.shape[0], dtype=torch.bool, device=device)
+    rows = collectives.gather(rows)[collectives.gather(keep.to(device).float()).bool()].double().cpu()
+
+    def mean_and_std(values: torch.Tensor) -> tuple[float, float]:
+        values = values[torch.isfinite(values)]
+        if not values.numel():
+            return math.nan, math.nan
+        return float(values.mean()), float(values.std(unbiased=True)) if values.numel() > 1 else math.nan
+
+    metrics: dict[str, float] = {}
+    metrics["reward"], metrics["reward_std"] = mean_and_std(rows[:, 0])
+    for i, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = mean_and_std(rows[:, 4 + i])
+    length, stopped = rows[:, 1], rows[:, 2].bool()
+    terminated = length[stopped] if stopped.any() else length.new_zeros(1)
+    if length.numel():
+        metrics["completions/mean_length"] = float(length.mean())
+        metrics["completions/min_length"] = float(length.min())
+        metrics["completions/max_length"] = float(length.max())
+        metrics["completions/clipped_ratio"] = float((~stopped).double().mean())
+        metrics["completions/mean_terminated_length"] = float(terminated.mean())
+        metrics["completions/min_terminated_length"] = float(terminated.min())
+        metrics["completions/max_terminated_length"] = float(terminated.max())
+    return metrics, float(rows[:, 1].sum() + rows[:, 3].sum())
+
+
+def trl_clip_metrics(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> dict[str, torch.Tensor]:
+    """TRL's ``clip_ratio/*`` of one micro-batch on this process: where the ratio ``exp(log_ratio)`` is
+    below ``1 - clip_low`` with a negative advantage (low), above ``1 + clip_high`` with a positive one
+    (high), or either (region). ``log_ratio``, ``advantages`` and ``mask`` are (M, R) per token, or (M, 1)
+    when the ratio is one per sequence (RLOO's default, GSPO). Returns ``(sum, count)`` pairs for the
+    ``*_mean`` names (:data:`TRL_GLOBAL_MEANS`) and, per sequence, the smallest share of low-clipped
+    tokens and the largest share of high-clipped ones (NaN without a sequence)."""
+    with torch.no_grad():
+        valid = mask.bool()
+        ratio = log_ratio.detach().float().exp()
+        advantages = torch.broadcast_to(advantages.detach().float(), ratio.shape)
+        low = (ratio < 1 - clip_low) & (advantages < 0) & valid
+        high = (ratio > 1 + clip_high) & (advantages > 0) & valid
+        count = valid.sum().float()
+        per_sequence = valid.sum(1).float()
+        sequences = per_sequence > 0
+        low_share = (low.sum(1).float() / per_sequence.clamp_min(1))[sequences]
+        high_share = (high.sum(1).float() / per_sequence.clamp_min(1))[sequences]
+        nan = torch.full((), math.nan, device=ratio.device)
+        return {
+            "clip_ratio/low_mean": torch.stack([low.sum().float(), count]),
+            "clip_ratio/high_mean": torch.stack([high.sum().float(), count]),
+            "clip_ratio/region_mean": torch.stack([(low | high).sum().float(), count]),
+            "clip_ratio/low_min": low_share.min() if low_share.numel() else nan,
+            "clip_ratio/high_max": high_share.max() if high_share.numel() else nan,
+        }
+
+
+class MicroBatchReductions:
+    """TRL's per-micro-batch metrics of an update (:data:`TRL_GLOBAL_MEANS`, :data:`TRL_GLOBAL_MINS`,
+    :data:`TRL_GLOBAL_MAXES`), kept on each process and reduced over all processes once per update: a
+    mean's ``(sum, count)`` pairs are summed over processes per micro-batch, a min or max taken over
+    processes per micro-batch, and the results averaged over the micro-batches (NaN ones left out).
+
+    Args:
+        per_micro_batch: whether every process runs the same micro-batches (fixed sizes); if not (a token
+            budget, ``max_tokens_per_microbatch``, or rows moved between processes, ``balance_batch``),
+            the micro-batches of each optimizer step are merged first (sums added, the min or max of
+            their values), and the optimizer steps are the units averaged.
+    """
+
+    def __init__(self, per_micro_batch: bool) -> None:
+        self.per_micro_batch = per_micro_batch
+        self.values: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.steps: dict[str, list[int]] = defaultdict(list)
+
+    @staticmethod
+    def handles(name: str) -> bool:
+        """Whether ``name`` is reduced here."""
+        return name in TRL_GLOBAL_MEANS or name in TRL_GLOBAL_MINS or name in TRL_GLOBAL_MAXES
+
+    def add(self, name: str, value: torch.Tensor, step: int) -> None:
+        """One micro-batch's ``value`` of ``name`` (a ``(sum, count)`` pair for a mean), in optimizer
+        step ``step`` of the update."""
+        self.values[name].append(value.detach().float().reshape(-1))
+        self.steps[name].append(step)
+
+    def _units(self, name: str) -> torch.Tensor:
+        """(units, 2) pairs, or (units,) values, of ``name``: per micro-batch, or merged per step."""
+        values = torch.stack(self.values[name])
+        if self.per_micro_batch:
+            return values if name in TRL_GLOBAL_MEANS else values[:, 0]
+        steps = torch.tensor(self.steps[name], device=values.device)
+        merged = []
+        for step in sorted(set(self.steps[name])):
+            chosen = values[steps == step]
+            if name in TRL_GLOBAL_MEANS:
+                merged.append(chosen.sum(0))
+            else:
+                finite = chosen[:, 0][~chosen[:, 0].isnan()]
+                if not finite.numel():
+                    merged.append(chosen.new_full((), math.nan))
+                else:
+                    merged.append(finite.min() if name in TRL_GLOBAL_MINS else finite.max())
+        return torch.stack(merged)
+
+    def reduce(self, collectives: Collectives) -> dict[str, float]:
+        """The metrics of the update over all processes (a collective: every process has the same names
+        and units)."""
+        device = collectives.accelerator.device
+        metrics: dict[str, float] = {}
+        for name in sorted(self.values):
+            units = self._units(name).to(device)
+            if name in TRL_GLOBAL_MEANS:
+                sums = collectives.all_reduce(units.double())
+                per_unit = sums[:, 0] / sums[:, 1].clamp_min(1)
+            else:
+                gathered = collectives.gather(units.reshape(1, -1)).double()  # (processes, units)
+                big = torch.where(
+                    gathered.isnan(), -math.inf if name in TRL_GLOBAL_MAXES else math.inf, gathered
+                )
+                per_unit = big.amax(0) if name in TRL_GLOBAL_MAXES else big.amin(0)
+                per_unit = torch.where(per_unit.isinf(), math.nan, per_unit)
+            finite = per_unit[~per_unit.isnan()]
+            metrics[name] = float(finite.mean()) if finite.numel() else math.nan
+        return metrics

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from .metrics import Collectives
+from .metrics import Collectives, trl_clip_metrics
 from .rollout import Advantages, LossNormalization, Rollout
 
 
@@ -31,6 +31,10 @@ class Objective:
     #: Whether the rollout must keep the sampling loop's own log-probs for this algorithm's loss
     #: (``Rollout.generation_logprobs``); the engine adds its own reasons (vLLM).
     needs_generation_logprobs: bool = False
+    #: Whether the algorithm also logs TRL 1.x's GRPOTrainer / RLOOTrainer metric names (``reward``,
+    #: ``entropy``, ``clip_ratio/*``, ``completions/*``, ...) beside its own (GRPO and RLOO do; PPO keeps
+    #: TRL's PPOTrainer names).
+    trl_metric_names: bool = False
 
     def __init__(self, args: Any, collectives: Collectives) -> None:
         self.args = args
@@ -159,7 +163,20 @@ class Objective:
             extra_loss=self.extra_token_loss(kl_loss, entropy),
             **aggregation,
         )
-        return loss, self.policy_loss_metrics(loss, pm, kl_loss, mask), aggregation
+        metrics = self.policy_loss_metrics(loss, pm, kl_loss, mask)
+        if self.trl_metric_names:
+            if args.importance_sampling_level == "token":
+                log_ratio, ratio_mask, ratio_advantages = logprobs.detach() - old, mask, advantages
+            else:  # one ratio per sequence (GSPO): TRL's clip ratios count sequences
+                m = mask.to(logprobs.dtype)
+                summed = ((logprobs.detach() - old) * m).sum(1, keepdim=True)
+                log_ratio = summed / m.sum(1, keepdim=True).clamp_min(1)
+                ratio_mask = mask.any(1, keepdim=True)
+                ratio_advantages = advantages
+                if advantages.shape[1] != 1:
+                    ratio_advantages = F.masked_mean(advantages, mask, dim=1, keepdim=True)
+            metrics.update(self.trl_loss_metrics(log_ratio, ratio_advantages, ratio_mask, kl_loss, mask))
+        return loss, metrics, aggregation
 
     def policy_loss_metrics(
         self,
@@ -180,6 +197,30 @@ class Objective:
         }
         if kl_loss is not None:
             metrics["policy/kl_loss_avg"] = F.masked_mean(kl_loss.detach() / self.args.kl_loss_coef, mask)
+        return metrics
+
+    def trl_loss_metrics(
+        self,
+        log_ratio: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        kl_loss: torch.Tensor | None,
+        token_mask: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """TRL's names for one micro-batch (:attr:`trl_metric_names`): the ``clip_ratio/*`` of the ratio
+        ``exp(log_ratio)`` against ``epsilon`` / ``epsilon_high`` (``cliprange`` / ``cliprange_high``)
+        with ``advantages`` over ``mask`` ((M, R) per token or (M, 1) per sequence), and ``kl``, the
+        per-token KL estimate of the loss term (``kl_loss``, already scaled by ``kl_loss_coef``; GRPO's
+        ``beta`` term) over ``token_mask``; as ``(sum, count)`` pairs and per-sequence extremes
+        (:func:`~rlhf_trainers.onpolicy.metrics.trl_clip_metrics`), reduced over the processes by the
+        optimization loop."""
+        args = self.args
+        clip_high = args.cliprange if args.cliprange_high is None else args.cliprange_high
+        metrics = trl_clip_metrics(log_ratio, advantages, mask, args.cliprange, clip_high)
+        if kl_loss is not None:
+            kl = kl_loss.detach().float() / args.kl_loss_coef
+            valid = token_mask.bool()
+            metrics["kl"] = torch.stack([torch.where(valid, kl, 0.0).sum(), valid.sum().float()])
         return metrics
 
     def ratio_logprobs(

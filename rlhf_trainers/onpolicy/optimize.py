@@ -25,7 +25,7 @@ from torch import nn
 from .. import compat
 from .. import functional as F
 from .forward import column_bounds, pad_columns
-from .metrics import sampling_mismatch_metrics
+from .metrics import MicroBatchReductions, sampling_mismatch_metrics
 from .rollout import Advantages, FirstMicroBatch, HeldForward, LossNormalization, Rollout
 
 if TYPE_CHECKING:
@@ -42,6 +42,9 @@ class OptimizationLoop:
         self.engine = engine
         self.held: HeldForward | None = None
         self._ratio_warned = False
+        #: The learning rate of the last optimizer step (what ``transformers.Trainer`` logs as
+        #: ``learning_rate``); None before the first step.
+        self.last_learning_rate: float | None = None
 
     @property
     def args(self) -> Any:
@@ -241,9 +244,17 @@ class OptimizationLoop:
     ) -> dict[str, float]:
         """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over the rollout, each over
         ``gradient_accumulation_steps`` micro-batches (or those of the token budget,
-        :meth:`micro_batches`); returns the mean metrics over processes."""
+        :meth:`micro_batches`); returns the mean metrics over processes (TRL's per-micro-batch names,
+        where the objective logs them, reduced as TRL does: :class:`~.metrics.MicroBatchReductions`)."""
         engine, args = self.engine, self.args
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
+        trl_names = engine.algorithm.trl_metric_names
+        # TRL's per-micro-batch reductions need the same micro-batches on every process.
+        reductions = MicroBatchReductions(
+            per_micro_batch=args.max_tokens_per_microbatch is None
+            and not (args.balance_batch and engine.accelerator.num_processes > 1)
+        )
+        optimizer_step = 0
         grad_norms: list[float] = []
         # Per row, on the host (one transfer per update, none per micro-batch): first real prompt column
         # and one past the last valid response column, from which each micro-batch's trim is read.
@@ -278,22 +289,30 @@ class OptimizationLoop:
                             ratio_stats=stats if first and micro == 0 else None,
                             mismatch=mismatch if first and engine.vllm_logprobs_are_old else None,
                         )
-                    stats["policy/entropy_avg"].append(
-                        F.masked_mean(entropy.detach(), rollout.response_mask[on_host.to(entropy.device)])
-                    )
+                    mask = rollout.response_mask[on_host.to(entropy.device)]
+                    stats["policy/entropy_avg"].append(F.masked_mean(entropy.detach(), mask))
+                    if trl_names:  # TRL's entropy: the mean per token over the micro-batch on all processes
+                        token_entropy = torch.where(mask, entropy.detach().float(), 0.0)
+                        reductions.add(
+                            "entropy", torch.stack([token_entropy.sum(), mask.sum().float()]), optimizer_step
+                        )
                     for name, value in metrics.items():
-                        if name.startswith("loss/"):  # shares of the mini-batch's loss: summed
+                        if reductions.handles(name):
+                            reductions.add(name, value, optimizer_step)
+                        elif name.startswith("loss/"):  # shares of the mini-batch's loss: summed
                             loss_sums[name] = loss_sums.get(name, 0.0) + value.detach().float()
                         else:
                             stats[name].append(value.detach().float())
                 for name, value in loss_sums.items():
                     stats[name].append(value)
                 self._optimizer_step(model, grad_norms)
+                optimizer_step += 1
         if args.max_tokens_per_microbatch is not None:
             stats["perf/micro_batches_per_step"].append(
                 torch.tensor(sum(micro_batch_counts) / len(micro_batch_counts))
             )
         reduced = engine.collectives.reduce_means({name: torch.stack(v).mean() for name, v in stats.items()})
+        reduced.update(reductions.reduce(engine.collectives))
         if grad_norms:
             reduced["grad_norm"] = sum(grad_norms) / len(grad_norms)
         if engine.vllm_logprobs_are_old:
@@ -364,6 +383,7 @@ class OptimizationLoop:
         engine.control = engine.callback_handler.on_pre_optimizer_step(args, engine.state, engine.control)
         engine.optimizer.step()
         engine.control = engine.callback_handler.on_optimizer_step(args, engine.state, engine.control)
+        self.last_learning_rate = compat.get_learning_rate(engine)  # (the schedule has not moved yet)
         if engine.steps_per_update > 1:
             engine.lr_scheduler.step()  # a step is an optimizer step: the schedule moves with each
         model.zero_grad()

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer
-from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
 
 from .. import compat
 from .. import functional as F
@@ -52,7 +52,7 @@ from .balance import rebalance
 from .config import TORCH_COMPILE_WITH_DEEPSPEED, OnPolicyConfig
 from .evaluation import RANK_SEED_STRIDE, SAMPLES_FILE
 from .forward import PolicyAndValue
-from .metrics import Collectives, rollout_metrics, rollout_sampling_metrics
+from .metrics import Collectives, rollout_metrics, rollout_sampling_metrics, trl_sample_metrics
 from .objective import Objective
 from .optimize import OptimizationLoop
 from .passes import ModelPasses
@@ -521,7 +521,10 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
 
     def rollout_metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
         """Step 6: TRL's objective/* and val/* metrics of a rollout over all processes, the vLLM
-        sampling mismatch (where the trainer recomputed the log-probs), and the objective's own."""
+        sampling mismatch (where the trainer recomputed the log-probs), and the objective's own. Where the
+        objective logs TRL 1.x's names (GRPO, RLOO: ``trl_metric_names``), also ``reward``, ``reward_std``,
+        ``rewards/<source>/*``, ``completions/*`` and ``num_tokens`` (the prompt and completion tokens
+        trained on so far, all processes: ``state.num_input_tokens_seen``, which this call advances)."""
         metrics = rollout_metrics(
             rollout,
             self.collectives,
@@ -529,6 +532,18 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             eos_token_id=self.processing_class.eos_token_id,
             uses_reference_model=self.args.uses_reference_model,
         )
+        if self.algorithm.trl_metric_names:
+            trl, tokens = trl_sample_metrics(
+                rollout.raw_scores,
+                rollout.per_source,
+                rollout.lengths,
+                rollout.found_stop,
+                rollout.query_mask.sum(1),
+                self.collectives,
+            )
+            self.state.num_input_tokens_seen += int(tokens)
+            trl["num_tokens"] = float(self.state.num_input_tokens_seen)
+            metrics.update(trl)
         if self.args.use_vllm and rollout.generation_logprobs is not None and not self.vllm_logprobs_are_old:
             metrics.update(rollout_sampling_metrics(rollout, self.collectives, self.weight_sync_seconds))
         metrics.update(self.algorithm.metrics(rollout, advantages))
@@ -544,7 +559,10 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
     ) -> dict[str, float]:
         """Generate on ``eval_dataset`` (default: the one given at construction) with the training
         sampling settings, score with every reward source and log ``{prefix}_objective/scores`` (and per
-        source), the response length and the stop-token rate. The sampling RNG is seeded from ``seed``
+        source), the response length and the stop-token rate, with Trainer's ``{prefix}_runtime`` and
+        speeds; GRPO and RLOO add TRL 1.x's ``{prefix}_reward``, ``{prefix}_reward_std``,
+        ``{prefix}_rewards/<source>/mean`` and ``/std``, ``{prefix}_completions/*`` and
+        ``{prefix}_num_tokens`` (:func:`.evaluation.evaluate`). The sampling RNG is seeded from ``seed``
         and forked, so evaluation neither changes the training run nor varies between calls on the same
         weights."""
         return evaluation.evaluate(self, eval_dataset, ignore_keys, metric_key_prefix)
@@ -660,23 +678,33 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             self.evaluate()
         last_metrics: dict[str, float] = {}
         policy_losses: list[float] = []
+        first_step = self.state.global_step
         self._pass_open = False  # on_epoch_begin heard for the pass this call trains in
         while self.state.global_step < self.num_updates * steps and not self.control.should_training_stop:
             last_metrics = self._training_step(model, sample_every)
             if "loss/policy_avg" in last_metrics:
                 policy_losses.append(last_metrics["loss/policy_avg"])
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        self.is_in_train = False
-        runtime = time.time() - start_time
-        out = {
-            "train_runtime": runtime,
-            "train_steps_per_second": self.state.global_step / max(runtime, 1e-9),
-            "interrupted": self.interrupted,
-        }
-        out.update({k: v for k, v in last_metrics.items() if k.startswith("objective/")})
         # training_loss, as Trainer reports it: the mean policy loss over the updates of this call.
         training_loss = sum(policy_losses) / len(policy_losses) if policy_losses else 0.0
+        summary = self._train_summary(start_time, self.state.global_step - first_step, training_loss)
+        self.log(dict(summary))
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        self.is_in_train = False
+        out: dict[str, Any] = {**summary, "interrupted": self.interrupted}
+        out.update({k: v for k, v in last_metrics.items() if k.startswith("objective/")})
         return TrainOutput(self.state.global_step, training_loss, out)
+
+    def _train_summary(self, start_time: float, steps: int, training_loss: float) -> dict[str, float]:
+        """The entry ``transformers.Trainer`` logs at the end of ``train()`` (callbacks hear it in
+        ``on_log``): ``train_runtime``, ``train_samples_per_second`` (completions trained on),
+        ``train_steps_per_second`` (Trainer steps of this call), ``total_flos`` and ``train_loss`` (the
+        mean policy loss over the updates of this call)."""
+        completions = steps // self.steps_per_update * self.batch_size
+        summary = speed_metrics("train", start_time, num_samples=completions, num_steps=steps)
+        self.store_flos()
+        summary["total_flos"] = self.state.total_flos
+        summary["train_loss"] = training_loss
+        return summary
 
     def _training_step(self, model: nn.Module, sample_every: int) -> dict[str, float]:
         """One update with the callbacks and the bookkeeping around it; returns its metrics.
@@ -702,6 +730,12 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         done = update + 1
         self.state.epoch = done / self.updates_per_data_epoch
         metrics["lr"] = lr
+        if self.algorithm.trl_metric_names:
+            # transformers.Trainer's names: the loss of the optimizer steps and the last step's rate
+            if "loss/policy_avg" in metrics:
+                metrics["loss"] = metrics["loss/policy_avg"]
+            last = self.loop.last_learning_rate
+            metrics["learning_rate"] = last if last is not None else lr
         metrics["episode"] = done * self.batch_size
         metrics["train/nonfinite_steps_skipped"] = float(self._reliability.guard.skipped)
         for name, value in metrics.items():
@@ -740,6 +774,9 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             logs["episode"] = self._log_buffer["episode"][-1]
             logs["lr"] = self._log_buffer["lr"][-1]
             logs["train/nonfinite_steps_skipped"] = self._log_buffer["train/nonfinite_steps_skipped"][-1]
+            for name in ("learning_rate", "num_tokens"):  # TRL's: the last value
+                if name in self._log_buffer:
+                    logs[name] = self._log_buffer[name][-1]
             self._log_buffer.clear()
             self.log(logs)
             if getattr(self.args, "log_completions", False):  # (TRL's field: GRPOConfig, RLOOConfig)

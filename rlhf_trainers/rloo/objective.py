@@ -13,6 +13,8 @@ from ..onpolicy.rollout import Advantages, LossNormalization, Rollout
 class RLOOObjective(Objective):
     """RLOO (the RLOO blog's algorithm, with its sequence- and token-level variants)."""
 
+    trl_metric_names = True
+
     @property
     def needs_generation_logprobs(self) -> bool:  # type: ignore[override]
         return self.args.truncated_is_cap is not None
@@ -114,12 +116,34 @@ class RLOOObjective(Objective):
             loss_agg_mode="token-mean",
             denominator=sequences,
         )
-        return loss, self.policy_loss_metrics(loss, pm, kl_loss, mask)
+        metrics = self.policy_loss_metrics(loss, pm, kl_loss, mask)
+        # TRL's clip ratios, per sequence (the whole completion's ratio)
+        log_ratio = ((logprobs.detach() - old) * mask).sum(1, keepdim=True)
+        metrics.update(
+            self.trl_loss_metrics(
+                log_ratio, advantages.advantages[rows], mask.any(1, keepdim=True), None, mask
+            )
+        )
+        return loss, metrics
+
+    def trl_loss_metrics(
+        self,
+        log_ratio: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        kl_loss: torch.Tensor | None,
+        token_mask: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The objective's TRL clip ratios, without a ``kl`` from the loss: TRL's RLOO logs the KL of the
+        reward (:meth:`metrics`)."""
+        return super().trl_loss_metrics(log_ratio, advantages, mask, None, token_mask)
 
     def metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
         """``objective/rlhf_reward`` (the reward the baseline is computed from), ``objective/
         reward_std_per_prompt`` (std of that reward over the k completions of a prompt: 0 means no
-        learning signal), ``rollout/num_completions_kept`` and, with truncated importance sampling,
+        learning signal), ``rollout/num_completions_kept``, TRL 1.x's ``frac_reward_zero_std`` (prompts whose
+        ``rlhf_reward`` std is 0) and ``kl`` (mean per-token KL estimate of the rollout, with a reference
+        model), and, with truncated importance sampling,
         ``policy/is_weight_mean`` and ``policy/gen_ratio_max`` (the ratio before capping)."""
         k = self.args.rloo_k
         valid = rollout.valid_rows
@@ -132,6 +156,9 @@ class RLOOObjective(Objective):
                 valid.float().sum(),
                 std.sum(),
                 torch.tensor(float(std.numel()), device=rlhf.device),
+                (std < 1e-8).float().sum(),
+                rollout.kl.float().sum(),
+                (rollout.lengths * valid).sum().float(),
             ]
         ).double()
         sums = self.collectives.all_reduce(sums.to(self.collectives.accelerator.device)).cpu()
@@ -139,7 +166,12 @@ class RLOOObjective(Objective):
             "objective/rlhf_reward": float(sums[0] / sums[1].clamp_min(1)),
             "objective/reward_std_per_prompt": float(sums[2] / sums[3].clamp_min(1)),
             "rollout/num_completions_kept": float(sums[1]),
+            # TRL's names: the share of prompts whose rewards (KL term included) are all equal, and the
+            # per-token KL estimate of the reward's KL term, over the response tokens of all processes
+            "frac_reward_zero_std": float(sums[4] / sums[3].clamp_min(1)),
         }
+        if self.args.uses_reference_model:
+            metrics["kl"] = float(sums[5] / sums[6].clamp_min(1))
         if advantages.importance_weights is not None:
             mask = rollout.response_mask
             ratios = ((rollout.logprobs - rollout.generation_logprobs) * mask).sum(1).exp()[valid]

@@ -127,7 +127,8 @@ def main() -> None:
         trainer = _trainer(algorithm, variant == "lora", f"{cli.output_dir}/{name}", kit)
         trainer.train()
         runs[name] = {
-            "logs": [_kept(log) for log in trainer.state.log_history],
+            # (the updates' entries: not the end-of-run summary, train_runtime and train_loss, logged since)
+            "logs": [_kept(log) for log in trainer.state.log_history if "train_runtime" not in log],
             "eval": _kept(trainer.evaluate()),
         }
         rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
