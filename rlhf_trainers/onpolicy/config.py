@@ -330,11 +330,10 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     reward_func_errors: str = field(
         default="raise",
         metadata={
-            "help": "What a reward function that raises (or returns the wrong number or kind of values) does: "
-            "'raise' stops with an error naming the function and the first prompt index that fails alone; "
-            "'skip' leaves that call's rows out of the update and counts them in rollout/reward_func_errors. "
-            "A None/NaN/inf value leaves that function out of that row's weighted sum (TRL's nansum); a row no "
-            "source scored is left out of the update and counted in rollout/invalid_rewards."
+            "help": "When a reward function raises or returns bad values: 'raise' stops, naming the function and "
+            "the first failing prompt; 'skip' leaves that call's rows out of the update "
+            "(rollout/reward_func_errors). A None/NaN value leaves that function out of that row's weighted "
+            "sum; a row no source scored leaves the update (rollout/invalid_rewards)."
         },
     )
 
