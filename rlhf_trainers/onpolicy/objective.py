@@ -79,13 +79,29 @@ class Objective:
         entropy: torch.Tensor | None = None,
         step: int = 0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Step 5's loss of one micro-batch: see
-        :meth:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer.compute_policy_loss` for the arguments;
-        ``step`` is the Trainer's ``global_step`` (PPO's critic warm-up)."""
+        """Step 5's loss of one micro-batch.
+
+        Args:
+            rollout: the update's rollout; ``rollout.X[rows]`` are the micro-batch's rows.
+            advantages: what :meth:`advantages` returned for it.
+            rows: (M,) long, the micro-batch's row indices into the rollout.
+            logprobs: (M, R) log-probs of the responses under the current policy, with gradient.
+            values: (M, R) the value model's current V(s_t), with gradient (PPO); None without one.
+            normalization: the denominators of the optimizer step's loss (tokens and sequences of the
+                whole mini-batch over all processes): dividing the micro-batch's summed loss by them makes
+                it its share of the mini-batch's loss. None: the micro-batch's own counts.
+            entropy: (M, R) the policy's entropy at each response position, with gradient, when
+                ``entropy_coeff`` is not 0 (the bonus ``-entropy_coeff x entropy`` per token); else None.
+            step: the Trainer's ``global_step`` (PPO's critic warm-up).
+
+        Returns:
+            ``(loss, metrics)``: the micro-batch's share of the mini-batch's loss, back-propagated as it
+            is, and detached scalar metrics (``loss/*`` are shares like the loss, the others means).
+        """
         raise NotImplementedError
 
     def metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
-        """Step 8: the algorithm's own metrics over all processes (the engine logs its shared ones)."""
+        """Step 6: the algorithm's own metrics over all processes (the engine logs its shared ones)."""
         return {}
 
     # ---- shared pieces ---------------------------------------------------------------------------

@@ -475,16 +475,9 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         return self.algorithm.token_rewards(rollout, self.kl_ctl.value)
 
     def compute_advantages(self, rollout: Rollout, rewards: torch.Tensor) -> Advantages:
-        """Step 4: the advantages of ``rollout`` (and what else the loss reads, e.g. PPO's returns).
-
-        Args:
-            rollout: the update's :class:`~rlhf_trainers.onpolicy.rollout.Rollout` (not to be modified).
-            rewards: (N, R) per-token rewards (:meth:`token_rewards`).
-
-        Returns:
-            An :class:`~rlhf_trainers.onpolicy.rollout.Advantages`: ``advantages`` (N, R) or (N, 1), and
-            the optional fields the objective's loss and metrics use.
-        """
+        """Step 4: the objective's :class:`~rlhf_trainers.onpolicy.rollout.Advantages` of ``rollout`` (not
+        modified) from its (N, R) per-token ``rewards`` (:meth:`token_rewards`): ``advantages`` (N, R) or
+        (N, 1), and what else the loss and metrics read (PPO's returns, ...)."""
         return self.algorithm.advantages(rollout, rewards, self.kl_ctl.value)
 
     def compute_policy_loss(
@@ -497,24 +490,10 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         normalization: LossNormalization | None = None,
         entropy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Step 5's loss of one micro-batch (the objective's).
-
-        Args:
-            rollout: the update's rollout; ``rollout.X[rows]`` are the micro-batch's rows.
-            advantages: what :meth:`compute_advantages` returned for it.
-            rows: (M,) long, the micro-batch's row indices into the rollout.
-            logprobs: (M, R) log-probs of the responses under the current policy, with gradient.
-            values: (M, R) the value model's current V(s_t), with gradient (PPO); None without one.
-            normalization: the denominators of the optimizer step's loss (tokens and sequences of the
-                whole mini-batch over all processes): dividing the micro-batch's summed loss by them makes
-                it its share of the mini-batch's loss. None: the micro-batch's own counts.
-            entropy: (M, R) the policy's entropy at each response position, with gradient, when
-                ``entropy_coeff`` is not 0 (the bonus ``-entropy_coeff x entropy`` per token); else None.
-
-        Returns:
-            ``(loss, metrics)``: the micro-batch's share of the mini-batch's loss, back-propagated as it
-            is, and detached scalar metrics (``loss/*`` are shares like the loss, the others means).
-        """
+        """Step 5's loss of one micro-batch: the objective's
+        (:meth:`~rlhf_trainers.onpolicy.objective.Objective.loss`, which documents the arguments), at this
+        ``global_step``. Returns ``(loss, metrics)``: the micro-batch's share of the mini-batch's loss and
+        detached scalar metrics."""
         return self.algorithm.loss(
             rollout, advantages, rows, logprobs, values, normalization, entropy, step=self.state.global_step
         )
