@@ -17,7 +17,10 @@ returns one float per completion (NaN: no reward). The implementations:
 
 :class:`RewardSources` combines them with weights; the on-policy trainers (PPO, RLOO, GRPO) build one from
 their ``reward_model``, ``reward_funcs`` and ``reward_weights`` arguments and log each source as
-``objective/scores/<name>``. LHPD's reward normalization is :func:`compute_reward_normalization`. The reward
+``objective/scores/<name>``. TRL 1.16's ready-made reward functions (``trl.rewards``: :func:`accuracy_reward`,
+:func:`reasoning_accuracy_reward`, :func:`think_format_reward`, :func:`get_cosine_scaled_reward`,
+:func:`get_soft_overlong_punishment`, :func:`get_repetition_penalty_reward`) are in
+:mod:`rlhf_trainers.rewards.library`, exported here. LHPD's reward normalization is :func:`compute_reward_normalization`. The reward
 model *trainer* is :mod:`rlhf_trainers.reward`.
 """
 
@@ -29,6 +32,14 @@ from .functions import (
     RewardFunc,
     RewardFunctionSource,
     is_async_reward_func,
+)
+from .library import (
+    accuracy_reward,
+    get_cosine_scaled_reward,
+    get_repetition_penalty_reward,
+    get_soft_overlong_punishment,
+    reasoning_accuracy_reward,
+    think_format_reward,
 )
 from .model import RewardModelSource, join_prompt_completion, score_ids, score_texts
 from .normalization import compute_reward_normalization
@@ -45,11 +56,17 @@ __all__ = [
     "RewardModelSource",
     "RewardSource",
     "RewardSources",
+    "accuracy_reward",
     "compute_reward_normalization",
+    "get_cosine_scaled_reward",
+    "get_repetition_penalty_reward",
+    "get_soft_overlong_punishment",
     "is_async_reward_func",
     "is_reward_source",
     "join_prompt_completion",
+    "reasoning_accuracy_reward",
     "score_ids",
     "score_texts",
     "split_reward_funcs",
+    "think_format_reward",
 ]
