@@ -25,10 +25,11 @@ metrics carry TRL's names: ``rewards/<name>/mean``.
 
 The math grading (:func:`accuracy_reward`, :func:`reasoning_accuracy_reward`, :func:`get_cosine_scaled_reward`)
 uses the optional `math-verify <https://github.com/huggingface/Math-Verify>`_ package, with TRL's settings:
-the gold solution parsed with math-verify's defaults; the completion's answer parsed as LaTeX only (a
-``\\boxed{}`` tried first, no answer taken without an anchor such as ``\\boxed`` or ``$...$``, units
-normalized, malformed operators not repaired), its first match kept; the two compared by ``verify``.
-Timeouts (10 s to parse, 5 s to verify) use ``signal.alarm`` and so apply in the main thread only;
+the gold solution parsed with math-verify's defaults; the completion's answer parsed as LaTeX only
+and only where it is marked: a ``\\boxed{}`` (tried first; several boxes make a set, ``{2, 3}``) or a
+``$...$`` after an anchor such as "answer:" or "the answer is" (a bare ``3``, or ``$3$`` in passing, is not
+an answer), units normalized, malformed operators not repaired, the first match kept; the two compared by
+``verify``. Timeouts (10 s to parse, 5 s to verify) use ``signal.alarm`` and so apply in the main thread only;
 elsewhere they are off. Install it with ``pip install "rlhf_trainers[math]"``.
 """
 
@@ -176,8 +177,8 @@ def accuracy_reward(
         **kwargs: the trainers' other arguments, unused.
 
     Returns:
-        1.0 where the answer (a ``\boxed{}`` first, LaTeX only) verifies against the solution, 0.0 where it
-        does not or cannot be parsed, ``None`` where the solution cannot be parsed (the row is left out of
+        1.0 where the answer (a ``\boxed{}``, or LaTeX after "answer:"; see the module docstring)
+        verifies against the solution, 0.0 where it does not or cannot be parsed, ``None`` where the solution cannot be parsed (the row is left out of
         the reward). Needs math-verify (``pip install "rlhf_trainers[math]"``); see the module docstring.
 
     Example::
