@@ -767,11 +767,11 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _enable_gradient_checkpointing(self) -> None:
-        kwargs = self.args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        kwargs = compat.checkpointing_kwargs(self.args) or {"use_reentrant": False}
         unwrapped = self.accelerator.unwrap_model(self.model)
         for module in (unwrapped.policy, unwrapped.value_model):
             if module is None:
                 continue
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            compat.enable_activation_checkpointing(module, kwargs)
             if _is_peft_model(module) and hasattr(module, "enable_input_require_grads"):
                 module.enable_input_require_grads()
