@@ -44,6 +44,7 @@ from ..compilation import CompiledBlocks
 from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PromptCollator
 from ..distributed_exit import tear_down_process_group_at_exit
+from ..generation.factory import backend_summary
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpoints, reliability_callback
@@ -561,7 +562,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             f"{args.local_mini_batch_size * world} -> {args.gradient_accumulation_steps} micro-batch(es) of "
             f"{args.per_device_train_batch_size} per process -> "
             f"{args.num_ppo_epochs * args.num_mini_batches} optimizer steps per update; {self.num_updates} "
-            f"updates, {self.total_episodes} episodes; generation: {self.generation_backend.name}."
+            f"updates, {self.total_episodes} episodes; generation: {backend_summary(self.generation_backend)}."
         )
 
     def write_model(self, output_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
