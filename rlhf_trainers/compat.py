@@ -17,8 +17,9 @@ Four kinds of use:
   and the forward's keyword) and gradient checkpointing (``gradient_checkpointing_enable`` ->
   ``activation_checkpointing_enable``); 5.24 warns at every use of an old name. :func:`output_cache`,
   :func:`cache_keyword` and :func:`enable_activation_checkpointing` use the new name where the installed
-  transformers has it and the old one on the older 5.x releases; :func:`peft_wrap` keeps peft's read of
-  the deprecated ``is_gradient_checkpointing`` quiet (peft's warning, not the user's to act on).
+  transformers has it and the old one on the older 5.x releases; :func:`quiet_peft_model_init` (and
+  :func:`peft_wrap`) keep peft's read of the deprecated ``is_gradient_checkpointing`` quiet (peft's
+  warning, not the user's to act on).
 - **A fix.** :class:`EvaluateBeforeTrainMixin` makes ``trainer.evaluate()`` before ``trainer.train()``
   work; it resets state that ``Trainer`` and ``accelerate`` keep in private attributes.
 
@@ -43,10 +44,12 @@ identical weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -243,16 +246,23 @@ def checkpointing_kwargs(args: Any) -> dict[str, Any] | None:
     return kwargs if kwargs is not None else getattr(args, "gradient_checkpointing_kwargs", None)
 
 
-def peft_wrap(model: nn.Module, peft_config: Any) -> nn.Module:
-    """``peft.get_peft_model(model, peft_config)`` without the FutureWarning that peft's own read of
-    ``model.is_gradient_checkpointing`` (deprecated in transformers for ``is_activation_checkpointing``)
-    raises in transformers 5.24; every other warning passes."""
-    from peft import get_peft_model
-
+@contextlib.contextmanager
+def quiet_peft_model_init() -> Iterator[None]:
+    """Inside: no FutureWarning from peft's own read of ``model.is_gradient_checkpointing`` (deprecated in
+    transformers for ``is_activation_checkpointing``) when a ``PeftModel`` is built (``get_peft_model``,
+    ``AutoPeftModel*.from_pretrained``) in transformers 5.24; every other warning passes."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
         )
+        yield
+
+
+def peft_wrap(model: nn.Module, peft_config: Any) -> nn.Module:
+    """``peft.get_peft_model(model, peft_config)`` under :func:`quiet_peft_model_init`."""
+    from peft import get_peft_model
+
+    with quiet_peft_model_init():
         return get_peft_model(model, peft_config)
 
 

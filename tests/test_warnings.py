@@ -206,6 +206,16 @@ def test_reward_trainer_with_lora_and_checkpointing_raises_no_deprecation_warnin
         trainer.train()
         trainer.evaluate()
         trainer.save_model(str(tmp_path / "saved"))
+        # The adapter folder as an on-policy trainer's reward model (loaded through peft, merged).
+        PPOTrainer(
+            model=kit.load_model("llama-sft"),
+            reward_model=str(tmp_path / "saved"),
+            processing_class=kit.load_tokenizer(),
+            args=PPOConfig(
+                output_dir=str(tmp_path / "ppo"), response_length=8, use_cpu=True, report_to="none"
+            ),
+            train_dataset=kit.prompt_dataset("train", n=16),
+        )
     assert not found, "\n".join(found)
 
 
