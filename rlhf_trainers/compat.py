@@ -6,13 +6,20 @@ Private methods can change in any release, so each one we rely on has a test in 
 fails when it changes: the method still exists, takes the parameters we pass, and (where we override it)
 ``Trainer`` still calls it.
 
-Three kinds of use:
+Four kinds of use:
 
 - **Calls.** The functions below (:func:`init_training_state`, :func:`prepare_for_training`, ...) are
   what our trainers call instead of a private method of ``Trainer`` or ``accelerate``.
 - **Overrides.** :class:`TrainerHooksMixin` overrides ``Trainer``'s private hooks (``_save``,
   ``_load_from_checkpoint``, ``_get_output_dir``, ``_save_checkpoint``) and forwards each one to a public
   method of ours (:meth:`~TrainerHooksMixin.write_model`, ...), which subclasses override instead.
+- **Renamed names.** transformers renamed the KV cache (``past_key_values`` -> ``cache``, the output field
+  and the forward's keyword) and gradient checkpointing (``gradient_checkpointing_enable`` ->
+  ``activation_checkpointing_enable``); 5.24 warns at every use of an old name. :func:`output_cache`,
+  :func:`cache_keyword` and :func:`enable_activation_checkpointing` use the new name where the installed
+  transformers has it and the old one on the older 5.x releases; :func:`quiet_peft_model_init` (and
+  :func:`peft_wrap`) keep peft's read of the deprecated ``is_gradient_checkpointing`` quiet (peft's
+  warning, not the user's to act on).
 - **A fix.** :class:`EvaluateBeforeTrainMixin` makes ``trainer.evaluate()`` before ``trainer.train()``
   work; it resets state that ``Trainer`` and ``accelerate`` keep in private attributes.
 
@@ -37,7 +44,12 @@ identical weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import inspect
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -183,6 +195,75 @@ def has_loaded_adapter(model: Any) -> bool:
     ``from_pretrained`` of an adapter folder), which leaves it a plain ``PreTrainedModel``; transformers
     records it only in the private ``_hf_peft_config_loaded``."""
     return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+# ---- renamed names ----------------------------------------------------------------------------------------
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache of a model output ``out`` (None where it has none): its ``cache`` field where the
+    output class has one (transformers' new name), else ``past_key_values``. Reading ``past_key_values``
+    of a 5.24 output still works but logs "`past_key_values`/`cache_params` are deprecated"."""
+    fields = getattr(type(out), "__dataclass_fields__", None)
+    if fields is not None and "cache" in fields:
+        return out.cache
+    return getattr(out, "past_key_values", None)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes a KV cache: ``"cache"`` where the forward of the
+    transformers model (inside a PEFT wrapper too) declares it, else ``"past_key_values"`` (older 5.x
+    releases, custom models). Passing ``past_key_values`` to a forward that declares ``cache`` raises a
+    FutureWarning at every call in transformers 5.24."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    return _cache_keyword_of(type(base))
+
+
+@functools.cache
+def _cache_keyword_of(cls: type) -> str:
+    try:
+        parameters = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def enable_activation_checkpointing(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Turn on gradient (activation) checkpointing in ``module`` with ``kwargs`` for
+    ``torch.utils.checkpoint`` (e.g. ``{"use_reentrant": False}``): ``activation_checkpointing_enable`` where
+    the model has it (the new name), else ``gradient_checkpointing_enable``."""
+    if hasattr(module, "activation_checkpointing_enable"):
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def checkpointing_kwargs(args: Any) -> dict[str, Any] | None:
+    """The ``torch.utils.checkpoint`` kwargs a ``TrainingArguments`` asks for, by either name
+    (``activation_checkpointing_kwargs``, or the older ``gradient_checkpointing_kwargs``); None where unset."""
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None)
+    return kwargs if kwargs is not None else getattr(args, "gradient_checkpointing_kwargs", None)
+
+
+@contextlib.contextmanager
+def quiet_peft_model_init() -> Iterator[None]:
+    """Inside: no FutureWarning from peft's own read of ``model.is_gradient_checkpointing`` (deprecated in
+    transformers for ``is_activation_checkpointing``) when a ``PeftModel`` is built (``get_peft_model``,
+    ``AutoPeftModel*.from_pretrained``) in transformers 5.24; every other warning passes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield
+
+
+def peft_wrap(model: nn.Module, peft_config: Any) -> nn.Module:
+    """``peft.get_peft_model(model, peft_config)`` under :func:`quiet_peft_model_init`."""
+    from peft import get_peft_model
+
+    with quiet_peft_model_init():
+        return get_peft_model(model, peft_config)
 
 
 # ---- overrides --------------------------------------------------------------------------------------------

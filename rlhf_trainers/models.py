@@ -498,11 +498,23 @@ def _load_adapter_folder(path: str | os.PathLike[str], kwargs: dict[str, Any]) -
     """A PEFT folder saved by RewardTrainer: base model + adapter + trained head, merged for inference."""
     require_peft(f"Loading the adapter folder {path}")
     from peft import AutoPeftModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from .compat import quiet_peft_model_init
 
     kwargs = {k: v for k, v in kwargs.items() if k != "num_labels"}
-    merged = AutoPeftModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, **kwargs
-    ).merge_and_unload()
+    # The base model loads first, its score head "MISSING" in transformers' load report; the adapter
+    # folder then restores the trained head (modules_to_save): the report would only mislead.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with quiet_peft_model_init():
+            peft_model = AutoPeftModelForSequenceClassification.from_pretrained(
+                str(path), num_labels=1, **kwargs
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    merged = peft_model.merge_and_unload()
     check_one_label(merged)
     stored = _read_reward_normalization(path)
     if stored is not None:

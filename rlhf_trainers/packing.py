@@ -472,6 +472,17 @@ def padding_free_matches(model: nn.Module) -> bool:
     return _probe_packed(model, one_row=False)
 
 
+def _probe_ids(ids: torch.Tensor, model: nn.Module, rows: int) -> torch.Tensor:
+    """``ids`` taken into the embedding table, with the model's pad id (if any) replaced: a forward without
+    an attention mask whose first or last id is the pad id logs transformers' "We strongly recommend
+    passing in an `attention_mask`" warning."""
+    ids = ids % max(rows, 1)
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if isinstance(pad, int) and rows > 1:
+        ids = torch.where(ids == pad, (pad + 1) % rows, ids)
+    return ids
+
+
 @torch.no_grad()
 def _probe_packed(model: nn.Module, one_row: bool) -> bool:
     """Four sequences packed (two rows of two, or one row of four under :func:`one_row_attention`) must
@@ -486,7 +497,10 @@ def _probe_packed(model: nn.Module, one_row: bool) -> bool:
     rows = embedding_rows(model)
     lengths = ((4, 5), (3, 6))
     sequences = [
-        [(torch.arange(n, device=device) * 7 + 3 * i + j + 1) % max(rows, 1) for j, n in enumerate(row)]
+        [
+            _probe_ids(torch.arange(n, device=device) * 7 + 3 * i + j + 1, model, rows)
+            for j, n in enumerate(row)
+        ]
         for i, row in enumerate(lengths)
     ]
     ids = torch.stack([torch.cat(row) for row in sequences])

@@ -123,7 +123,7 @@ _WHY_BF16 = (
 )
 _WHY_CHECKPOINTING = (
     "TRL turns gradient checkpointing on; ours follows TrainingArguments (off: faster, more memory). Set "
-    "gradient_checkpointing=True for TRL's memory use."
+    "activation_checkpointing=True (gradient_checkpointing=True before transformers renamed it) for TRL's memory use."
 )
 _WHY_DROPOUT = (
     "TRL keeps dropout; ours disables it (disable_dropout=True) so the rollout and training forward passes "

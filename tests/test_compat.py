@@ -391,3 +391,46 @@ def test_no_module_but_compat_touches_a_private_name_of_trainer_or_accelerate() 
                         if name in private
                     ]
     assert not found, "private Trainer/accelerate names outside compat.py:\n" + "\n".join(found)
+
+
+def test_the_kv_cache_by_the_name_the_model_has():
+    """The new name (``cache``) where the output class and the forward have it; ``past_key_values`` for a
+    model written for a transformers release before the rename (here a stand-in)."""
+    from dataclasses import dataclass
+
+    from rlhf_trainers.testing import get_kit
+
+    model = get_kit().load_model("llama")
+    out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert compat.cache_keyword(model) == "cache"
+    assert compat.output_cache(out) is out.cache is not None
+
+    @dataclass
+    class OldOutput:
+        logits: Any = None
+        past_key_values: Any = None
+
+    class OldModel(nn.Module):
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+            return OldOutput(input_ids.float(), ("keys", "values"))
+
+    old = OldModel()
+    assert compat.cache_keyword(old) == "past_key_values"
+    assert compat.output_cache(old(torch.tensor([[1]]))) == ("keys", "values")
+
+
+def test_activation_checkpointing_by_the_name_the_model_has():
+    from rlhf_trainers.testing import get_kit
+
+    model = get_kit().load_model("llama")
+    compat.enable_activation_checkpointing(model, {"use_reentrant": False})
+    assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+    calls = []
+
+    class OldModel(nn.Module):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+
+    compat.enable_activation_checkpointing(OldModel(), {"use_reentrant": False})
+    assert calls == [{"use_reentrant": False}]

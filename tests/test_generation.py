@@ -20,6 +20,7 @@ from rlhf_trainers.generation import (
     draw_multinomial,
     make_generation_backend,
 )
+from rlhf_trainers.generation.factory import backend_summary
 from rlhf_trainers.onpolicy.forward import policy_logits
 
 BACKENDS = {"builtin": BuiltinSampling, "transformers": TransformersGenerate}
@@ -196,6 +197,8 @@ def test_the_factory_picks_a_backend_once_from_the_config(policy, tmp_path, monk
     assert unpacked.draw is draw_multinomial
     no_lean = backend(CPUOptions(lean_decoding=False, inverse_cdf_sampling=False, drop_finished_rows=False))
     assert no_lean.name == "builtin" and no_lean.fast_steps is None and not no_lean.drop_finished_rows
+    assert backend_summary(no_lean) == "builtin generation"
+    assert backend_summary(unpacked) == "builtin generation, CPU speed-ups on (docs/cpu.md)"
     hf = backend(generation_loop="transformers")
     assert type(hf) is TransformersGenerate and hf.name == "transformers.generate"
     assert not hf.synced_ranks and not hf.logprobs_for_rollout
@@ -247,7 +250,10 @@ def test_the_trainer_builds_its_backend_once_and_names_it(kit, tmp_path, monkeyp
         else "transformers.generate"
     )
     assert trainer.generation_backend.name == expected
-    assert f"generation: {expected}." in trainer.batch_accounting()
+    # The batch accounting says it plainly: the loop, and whether CPU speed-ups are on (the name lists them).
+    plain = "builtin generation, CPU speed-ups on (docs/cpu.md)" if loop == "builtin" else expected
+    assert trainer.batch_accounting().endswith(f"; generation: {plain}.")
+    assert "MKL" not in trainer.batch_accounting() and "inverse-CDF" not in trainer.batch_accounting()
 
 
 def test_reward_normalization_samples_through_the_interface(kit, monkeypatch):

@@ -3,16 +3,21 @@
 
 vLLM's CPU build pins another ``transformers`` than the main environment and brings CUDA wheels that
 break it, so it lives in an environment of its own (:mod:`rlhf_trainers.testing.vllm_env`, built on first
-use, ~3 minutes, then cached in ``~/.cache/rlhf_trainers/``). The proxy test below runs tests/test_vllm.py
-there with this checkout on ``PYTHONPATH``; a failure there fails it, with the output. Where the test
+use, ~3 minutes on an idle machine, ~3.7 GB, then cached in ``~/.cache/rlhf_trainers/``). The proxy test
+below runs tests/test_vllm.py there with this checkout on ``PYTHONPATH``; a failure there fails it, with
+the output. The environment is built by a fixture, under the build's own limit
+(``vllm_env.BUILD_TIMEOUT_S``): the test's timeout counts only the tests' run (``func_only``), so a slow
+build on a busy machine does not use it up. Where the test
 interpreter has vLLM itself, the proxy is deselected and the vllm tests run directly
 (tests/conftest.py). ``RLHF_TRAINERS_VLLM_TESTS=0`` skips the proxy on purpose (e.g. offline).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,15 +28,24 @@ from rlhf_trainers.testing import true_reward
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.vllm_proxy
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_vllm_tests_pass_in_the_vllm_environment():
+@pytest.fixture
+def vllm_interpreter() -> Path:
+    """The vLLM environment's interpreter, built here (in the test's setup, outside its timed part) if it
+    is not yet; skips the test under ``RLHF_TRAINERS_VLLM_TESTS=0``."""
     if os.environ.get("RLHF_TRAINERS_VLLM_TESTS") == "0":
         pytest.skip("RLHF_TRAINERS_VLLM_TESTS=0: the vllm tests were not run")
-    from rlhf_trainers.testing.vllm_env import vllm_env_variables, vllm_python
+    from rlhf_trainers.testing.vllm_env import vllm_python
 
-    python = vllm_python()
+    return vllm_python()
+
+
+@pytest.mark.vllm_proxy
+@pytest.mark.slow
+@pytest.mark.timeout(1800, func_only=True)  # the tests' run only: the build has its own limit
+def test_vllm_tests_pass_in_the_vllm_environment(vllm_interpreter):
+    from rlhf_trainers.testing.vllm_env import vllm_env_variables
+
+    python = vllm_interpreter
     # One process (no xdist in that environment): setup.cfg's -ra only (--dist and --strict-markers need xdist).
     command = [str(python), "-m", "pytest", str(REPO / "tests" / "test_vllm.py"), "-q", "-x"]
     command += ["-p", "no:cacheprovider", "-o", "addopts=-ra"]
@@ -124,3 +138,42 @@ def test_vllms_logprobs_may_be_the_rollouts(tmp_path):
             rollout_logprobs="generation",
             disable_dropout=False,
         )
+
+
+def test_a_build_step_past_the_builds_limit_fails_with_what_to_do(tmp_path):
+    from rlhf_trainers.testing import vllm_env
+
+    log = tmp_path / "build.log"
+    log.write_text("")
+    with pytest.raises(
+        RuntimeError, match=r"took longer than its limit.*python -m rlhf_trainers.testing.vllm_env"
+    ):
+        vllm_env._run([sys.executable, "-c", "import time; time.sleep(30)"], log, timeout_s=0.5)
+
+
+def test_the_build_runs_its_steps_under_one_limit_and_once(tmp_path, monkeypatch):
+    """A fake build (pip never runs): every step is given what is left of ``timeout_s``; a complete
+    environment is returned at once afterwards."""
+    from rlhf_trainers.testing import vllm_env
+
+    steps = []
+    root = tmp_path / "env"
+
+    def fake_run(command, log, env=None, timeout_s=None):
+        root.mkdir(exist_ok=True)  # what `python -m venv` would do
+        steps.append(timeout_s)
+
+    monkeypatch.setattr(vllm_env, "_run", fake_run)
+    assert vllm_env.vllm_python(root, quiet=True, timeout_s=100) == root / "bin" / "python"
+    assert len(steps) == 4 and all(0 < left <= 100 for left in steps), steps
+    assert vllm_env.vllm_python(root, quiet=True, timeout_s=100) == root / "bin" / "python"
+    assert len(steps) == 4  # built once
+    assert vllm_env.BUILD_TIMEOUT_S >= 1800  # generous: a busy 2-core machine
+
+
+def test_the_proxy_builds_the_environment_outside_its_timed_part():
+    """pytest-timeout's ``func_only``: the fixture's build (setup) does not count against the 1800 s."""
+    marker = test_vllm_tests_pass_in_the_vllm_environment.pytestmark
+    timeout = next(m for m in marker if m.name == "timeout")
+    assert timeout.kwargs.get("func_only") is True
+    assert "vllm_interpreter" in inspect.signature(test_vllm_tests_pass_in_the_vllm_environment).parameters

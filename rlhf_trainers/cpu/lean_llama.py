@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..compat import sdpa_has_gqa
+from ..compat import output_cache, sdpa_has_gqa
 from .linear import _LINEAR, _matches_linear, _plain
 
 __all__ = [
@@ -136,7 +136,7 @@ class LeanLlamaSteps:
         if max_new_tokens < 2:
             return None
         lm = _plain_llama(model)
-        cache = getattr(out, "past_key_values", None)
+        cache = output_cache(out)
         layers_cache = getattr(cache, "layers", None)
         if lm is None or layers_cache is None or len(layers_cache) != len(lm.model.layers):
             return None

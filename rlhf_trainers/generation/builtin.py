@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..compat import cache_keyword, output_cache
 from ..models import embedding_rows, readable_ids
 from .base import ContextFactory, Samples, SamplingSettings, entered, eval_mode, filtered_scores, padded_to
 
@@ -145,7 +146,7 @@ def _prompt_pass(
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = getattr(out, "past_key_values", None)
+        cache = output_cache(out)
         if hasattr(cache, "batch_select_indices"):
             cache.batch_select_indices(inverse)
             return out, out.logits[inverse, -1, :]
@@ -170,7 +171,9 @@ def sample_with_kv_cache(
     row stopped early.
 
     ``model`` is a causal LM (a ``transformers`` model or a PEFT model around one) whose forward accepts
-    ``attention_mask``, ``position_ids``, ``past_key_values``, ``use_cache`` and ``logits_to_keep``;
+    ``attention_mask``, ``position_ids``, a KV cache (``cache``, or ``past_key_values`` in transformers
+    releases before the rename: :func:`~rlhf_trainers.compat.cache_keyword`), ``use_cache`` and
+    ``logits_to_keep``;
     ``input_ids`` and ``attention_mask`` (B, T) hold left-padded prompts. A ``settings.pad_token_id`` past
     the model's embedding table never reaches it: the model reads 0 at the prompt's padding and after a
     row's stop token (:func:`rlhf_trainers.models.readable_ids`); the returned tokens hold the pad id.
@@ -209,7 +212,7 @@ def sample_with_kv_cache(
     if steps is not None:
         droppable = hasattr(steps, "select_rows")
     else:
-        droppable = hasattr(getattr(out, "past_key_values", None), "batch_select_indices")
+        droppable = hasattr(output_cache(out), "batch_select_indices")
     droppable = droppable and drop_finished_rows and bool(stops.numel())
     for step in range(settings.max_new_tokens):
         scores, probs, drawn_from = _step_distribution(logits, settings)
@@ -244,7 +247,7 @@ def sample_with_kv_cache(
                 if steps is not None:
                     steps.select_rows(keep)
                 else:
-                    out.past_key_values.batch_select_indices(keep)
+                    output_cache(out).batch_select_indices(keep)
                     mask = mask.index_select(0, keep)
         if steps is not None:
             logits = steps.step(fed, next_position)
@@ -290,12 +293,9 @@ def _forward_step(
 ) -> tuple[torch.Tensor, Any, torch.Tensor]:
     """One decoding step through the model's forward with its KV cache: ``(logits, out, mask)``."""
     mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    cache = {cache_keyword(model): output_cache(out)}
     out = model(
-        input_ids=fed[:, None],
-        attention_mask=mask,
-        position_ids=next_position,
-        past_key_values=out.past_key_values,
-        use_cache=True,
+        input_ids=fed[:, None], attention_mask=mask, position_ids=next_position, use_cache=True, **cache
     )
     return out.logits[:, -1, :], out, mask
 

@@ -73,9 +73,23 @@ def make_generation_backend(
         )
         extras = [speedups.fast_steps_name, speedups.context_name, speedups.draw_name]
     extras = [name for name in extras if name]
+    plain = "builtin generation" if isinstance(backend, BuiltinSampling) else backend.name
+    backend.summary = f"{plain}, {CPU_SPEEDUPS_ON}" if extras else plain
     if extras:
         backend.name = f"{backend.name} ({', '.join(extras)})"
     return backend
+
+
+#: What the batch accounting says where the generation backend runs with any of the CPU speed-ups (the
+#: backend's ``name`` lists them: "builtin (lean Llama steps on MKL-prepacked weights, inverse-CDF draws)").
+CPU_SPEEDUPS_ON = "CPU speed-ups on (docs/cpu.md)"
+
+
+def backend_summary(backend: GenerationBackend) -> str:
+    """The generation backend in plain words, as the batch accounting prints it: "builtin generation",
+    "transformers.generate", "vllm 0.32.0 (colocated, float32)"..., with ", CPU speed-ups on
+    (docs/cpu.md)" where any is on. A backend made elsewhere (a user's own) says its ``name``."""
+    return getattr(backend, "summary", None) or backend.name
 
 
 def _vllm_backend(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..generation.factory import backend_summary
 from ..onpolicy.trainer import OnPolicyTrainer
 from ..rewards import split_reward_funcs
 from .config import GRPOConfig
@@ -147,5 +148,5 @@ class GRPOTrainer(OnPolicyTrainer):
             f"{self.num_updates * self.steps_per_update} optimizer steps ({self.num_updates} generations, "
             f"{self.total_episodes} completions); loss_type {args.loss_type}, beta {args.beta} "
             f"({'no reference model' if not args.uses_reference_model else 'reference model'}); generation: "
-            f"{self.generation_backend.name}."
+            f"{backend_summary(self.generation_backend)}."
         )

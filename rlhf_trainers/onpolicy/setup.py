@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
+from ..compat import peft_wrap
 from ..data import PromptTokenizationStats, tokenize_prompts
 from ..distributed import copy_model
 from ..models import (
@@ -149,10 +150,8 @@ def load_models(
     value = build_value_model(policy, reward_model, value_model, args)
     if peft_config is not None:
         require_peft("peft_config")
-        from peft import get_peft_model
-
         with seeded(args.seed):  # the adapter's initial weights follow the config's seed
-            policy = get_peft_model(policy, peft_config)
+            policy = peft_wrap(policy, peft_config)
     is_peft = _is_peft_model(policy)
     if ref_model is None and not is_peft and args.uses_reference_model:
         ref_model = copy_model(policy)

@@ -44,6 +44,7 @@ from ..compilation import CompiledBlocks
 from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PromptCollator
 from ..distributed_exit import tear_down_process_group_at_exit
+from ..generation.factory import backend_summary
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpoints, reliability_callback
@@ -561,7 +562,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             f"{args.local_mini_batch_size * world} -> {args.gradient_accumulation_steps} micro-batch(es) of "
             f"{args.per_device_train_batch_size} per process -> "
             f"{args.num_ppo_epochs * args.num_mini_batches} optimizer steps per update; {self.num_updates} "
-            f"updates, {self.total_episodes} episodes; generation: {self.generation_backend.name}."
+            f"updates, {self.total_episodes} episodes; generation: {backend_summary(self.generation_backend)}."
         )
 
     def write_model(self, output_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -767,11 +768,11 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _enable_gradient_checkpointing(self) -> None:
-        kwargs = self.args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        kwargs = compat.checkpointing_kwargs(self.args) or {"use_reentrant": False}
         unwrapped = self.accelerator.unwrap_model(self.model)
         for module in (unwrapped.policy, unwrapped.value_model):
             if module is None:
                 continue
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            compat.enable_activation_checkpointing(module, kwargs)
             if _is_peft_model(module) and hasattr(module, "enable_input_require_grads"):
                 module.enable_input_require_grads()

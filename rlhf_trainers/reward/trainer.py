@@ -14,7 +14,7 @@ import torch.nn.functional as torch_F
 from transformers import PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..compat import EvaluateBeforeTrainMixin, prepare_inputs
+from ..compat import EvaluateBeforeTrainMixin, peft_wrap, prepare_inputs
 from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
 from ..distributed_exit import tear_down_process_group_at_exit
@@ -486,7 +486,7 @@ def _wrap_peft(model: PreTrainedModel, peft_config: PeftConfig) -> Any:
     import copy
 
     require_peft("peft_config")
-    from peft import TaskType, get_peft_model
+    from peft import TaskType
 
     config = copy.deepcopy(peft_config)
     if getattr(config, "task_type", None) not in (None, TaskType.SEQ_CLS, "SEQ_CLS"):
@@ -499,4 +499,4 @@ def _wrap_peft(model: PreTrainedModel, peft_config: PeftConfig) -> Any:
     modules = list(getattr(config, "modules_to_save", None) or [])
     if head_name not in modules:
         config.modules_to_save = [*modules, head_name]
-    return get_peft_model(model, config)
+    return peft_wrap(model, config)

@@ -7,8 +7,12 @@ the main environment: :func:`vllm_python` builds (once, then reuses) an environm
 ``~/.cache/rlhf_trainers/`` and returns its interpreter. This package is not installed there: run it with
 ``PYTHONPATH`` set to the repository (see :func:`vllm_env_variables`).
 
+Size and time: ~3.7 GB on disk (~4 GB of downloads); about 3 minutes on an idle machine with a fast
+connection, far longer on a busy 2-core one. The build runs under its own limit (:data:`BUILD_TIMEOUT_S`),
+apart from any test's timeout.
+
 Command line: ``python -m rlhf_trainers.testing.vllm_env`` builds the environment and prints its
-interpreter.
+interpreter (so that a test run finds it built).
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["VLLM_ENV_REQUIREMENTS", "default_vllm_env_dir", "vllm_env_variables", "vllm_python"]
+__all__ = [
+    "BUILD_TIMEOUT_S",
+    "VLLM_ENV_REQUIREMENTS",
+    "default_vllm_env_dir",
+    "vllm_env_variables",
+    "vllm_python",
+]
 
 #: What the environment holds (one pip resolve): vLLM's CPU build with the CPU torch, and what this
 #: package and its tests import besides. Changing the list builds a new environment.
@@ -45,6 +55,9 @@ VLLM_ENV_REQUIREMENTS: tuple[str, ...] = (
 #: package need them.
 _REMOVE = ("torchvision", "torchaudio", "torchcodec")
 _COMPLETE = "rlhf-trainers-vllm-env-complete"
+#: The time a whole build may take (seconds): generous, since pip's resolve and ~4 GB of wheels take
+#: ~3 minutes on an idle machine but many times that on a busy one.
+BUILD_TIMEOUT_S = 3600.0
 
 
 def default_vllm_env_dir() -> Path:
@@ -70,23 +83,38 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _run(command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+def _run(
+    command: list[str], log: Path, env: dict[str, str] | None = None, timeout_s: float | None = None
+) -> None:
     with open(log, "a") as out:
         out.write(f"$ {' '.join(command)}\n")
         out.flush()
         environment = {**os.environ, **(env or {})}
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=environment, check=False)
+        try:
+            done = subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, env=environment, check=False, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"building the vLLM environment took longer than its limit (BUILD_TIMEOUT_S) at: "
+                f"{' '.join(command)} (log: {log}). Build it on a quieter machine with `python -m "
+                "rlhf_trainers.testing.vllm_env`, or skip the vLLM tests with RLHF_TRAINERS_VLLM_TESTS=0."
+            ) from None
     if done.returncode:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"building the vLLM environment failed at: {' '.join(command)}\n{tail}")
 
 
-def vllm_python(root: Path | None = None, *, quiet: bool = False) -> Path:
-    """The interpreter of the vLLM environment, built first if it is not complete (2-3 minutes and
-    ~4 GB of downloads; later calls return at once). Safe to call from several processes at a time.
+def vllm_python(
+    root: Path | None = None, *, quiet: bool = False, timeout_s: float | None = BUILD_TIMEOUT_S
+) -> Path:
+    """The interpreter of the vLLM environment, built first if it is not complete (~3 minutes on an idle
+    machine, ~4 GB of downloads, ~3.7 GB on disk; later calls return at once). Safe to call from several
+    processes at a time. ``timeout_s``: the most the whole build may take (None: no limit).
 
     Raises:
-        RuntimeError: when pip fails (the message ends with its output).
+        RuntimeError: when pip fails (the message ends with its output) or the build runs past
+            ``timeout_s``.
     """
     root = default_vllm_env_dir() if root is None else Path(root)
     python = root / "bin" / "python"
@@ -96,16 +124,24 @@ def vllm_python(root: Path | None = None, *, quiet: bool = False) -> Path:
         if (root / _COMPLETE).exists():
             return python
         started = time.perf_counter()
+
+        def left() -> float | None:
+            return None if timeout_s is None else max(timeout_s - (time.perf_counter() - started), 0.001)
+
         shutil.rmtree(root, ignore_errors=True)  # an interrupted build: start again
         log = root.with_name(root.name + ".log")
         log.write_text("")
         if not quiet:
             print(f"building the vLLM test environment in {root} (log: {log}) ...", file=sys.stderr)
-        _run([sys.executable, "-m", "venv", str(root)], log)
+        _run([sys.executable, "-m", "venv", str(root)], log, timeout_s=left())
         pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
-        _run([*pip, "install", *VLLM_ENV_REQUIREMENTS], log, env={"DS_BUILD_OPS": "0"})
-        _run([*pip, "uninstall", "-y", *_REMOVE], log)
-        _run([str(python), "-c", "import vllm, transformers, peft, accelerate, datasets"], log)
+        _run([*pip, "install", *VLLM_ENV_REQUIREMENTS], log, env={"DS_BUILD_OPS": "0"}, timeout_s=left())
+        _run([*pip, "uninstall", "-y", *_REMOVE], log, timeout_s=left())
+        _run(
+            [str(python), "-c", "import vllm, transformers, peft, accelerate, datasets"],
+            log,
+            timeout_s=left(),
+        )
         # Written last: an environment without it is rebuilt.
         (root / _COMPLETE).write_text(f"built in {time.perf_counter() - started:.0f} s\n")
     return python
