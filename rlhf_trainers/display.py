@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-__all__ = ["TrainingDisplay", "format_value", "install_display"]
+__all__ = ["TrainingDisplay", "format_value", "install_display", "use_display"]
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -242,11 +242,21 @@ def install_display(
     ``PrinterCallback`` prints every log as a dict."""
     if trainer.args.disable_tqdm:
         return None
+    steps_per_update = getattr(trainer, "steps_per_update", 1)
+    return use_display(
+        trainer, TrainingDisplay(desc, metrics, steps_per_update=steps_per_update, summary=summary)
+    )
+
+
+def use_display(trainer: Trainer, display: TrainingDisplay) -> TrainingDisplay:
+    """Add `display` to `trainer`'s callbacks in place of whatever else prints its logs: transformers'
+    ``ProgressCallback``, its ``NotebookProgressCallback`` (in Jupyter), ``PrinterCallback``, and a
+    :class:`TrainingDisplay` added before. Returns `display`."""
+    from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    for kind in (ProgressCallback, PrinterCallback, TrainingDisplay):
-        trainer.remove_callback(kind)
-    steps_per_update = getattr(trainer, "steps_per_update", 1)
-    display = TrainingDisplay(desc, metrics, steps_per_update=steps_per_update, summary=summary)
+    for kind in (ProgressCallback, DEFAULT_PROGRESS_CALLBACK, PrinterCallback, TrainingDisplay):
+        while any(isinstance(callback, kind) for callback in trainer.callback_handler.callbacks):
+            trainer.remove_callback(kind)
     trainer.add_callback(display)
     return display

@@ -11,9 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 from transformers import TrainerControl, TrainerState
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from rlhf_trainers import RLOOConfig, RLOOTrainer
 from rlhf_trainers.cli import main
 from rlhf_trainers.display import TrainingDisplay
+from rlhf_trainers.testing import true_reward
 
 # The kit runs of the issue's "done when": 10 updates of each (GRPO's max_steps counts optimizer steps,
 # 4 per update with the kit defaults), and the figures each one's bar and summary must show.
@@ -171,3 +174,65 @@ def test_other_processes_print_nothing(tmp_path, capsys):
 def test_steps_per_update_must_be_positive():
     with pytest.raises(ValueError, match="steps_per_update must be >= 1, got 0"):
         TrainingDisplay("PPO", {}, steps_per_update=0)
+
+
+def _rloo(kit, tmp_path, **config) -> RLOOTrainer:
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "num_mini_batches": 1,
+        "num_ppo_epochs": 1,
+        "response_length": 8,
+        "max_steps": 2,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "num_sample_generations": 0,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        **config,
+    }
+    return RLOOTrainer(
+        model=kit.load_model("llama-sft"),
+        processing_class=kit.load_tokenizer(),
+        args=RLOOConfig(**fields),
+        train_dataset=kit.prompt_dataset("train", n=32),
+        eval_dataset=kit.prompt_dataset("test", n=8),
+        reward_funcs=true_reward,
+    )
+
+
+def test_the_trainer_prints_a_summary_and_evaluate_prints_nothing(kit, tmp_path, capsys):
+    """The Python API: train() shows the bar (stderr) and prints the summary, the evaluation during
+    training as one line; evaluate() prints nothing; log_history keeps every metric."""
+    trainer = _rloo(kit, tmp_path)
+    kinds = [type(callback) for callback in trainer.callback_handler.callbacks]
+    assert TrainingDisplay in kinds and ProgressCallback not in kinds and PrinterCallback not in kinds
+    trainer.train()
+    captured = capsys.readouterr()
+    assert "RLOO:" in captured.err and "reward=" in captured.err  # the bar
+    assert "RLOO finished: 2 step(s)" in captured.out and "eval at step 2: reward " in captured.out
+    assert "{" not in captured.out + captured.err  # no dict
+    assert "objective/rlhf_reward" in trainer.state.log_history[0]
+    trainer.evaluate()
+    captured = capsys.readouterr()
+    assert captured.out == "" and "eval_" not in captured.err
+
+
+def test_disable_tqdm_keeps_transformers_printer(kit, tmp_path):
+    trainer = _rloo(kit, tmp_path, disable_tqdm=True)
+    kinds = [type(callback) for callback in trainer.callback_handler.callbacks]
+    assert PrinterCallback in kinds and TrainingDisplay not in kinds and trainer.display is None
+
+
+def test_in_jupyter_the_display_replaces_the_notebook_table(kit, tmp_path, monkeypatch):
+    """In a notebook transformers adds NotebookProgressCallback (an HTML table of every logged metric)."""
+    pytest.importorskip("IPython")
+    import transformers.trainer
+    from transformers.utils.notebook import NotebookProgressCallback
+
+    monkeypatch.setattr(transformers.trainer, "DEFAULT_PROGRESS_CALLBACK", NotebookProgressCallback)
+    trainer = _rloo(kit, tmp_path)
+    kinds = [type(callback) for callback in trainer.callback_handler.callbacks]
+    assert NotebookProgressCallback not in kinds and kinds.count(TrainingDisplay) == 1

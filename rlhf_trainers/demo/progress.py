@@ -72,11 +72,7 @@ def quiet(trainer: Trainer, desc: str, postfix: dict[str, str]) -> Trainer:
     ``postfix`` (log name -> short label), and no summary (the demo has its own report): the trainers'
     :class:`~rlhf_trainers.display.TrainingDisplay` in place of the Trainer's own bar or printer, which
     would print every log dict (one per update here)."""
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from ..display import TrainingDisplay, use_display
 
-    from ..display import TrainingDisplay
-
-    for kind in (ProgressCallback, PrinterCallback, TrainingDisplay):
-        trainer.remove_callback(kind)
-    trainer.add_callback(TrainingDisplay(desc, postfix, summary=False))
+    use_display(trainer, TrainingDisplay(desc, postfix, summary=False))
     return trainer
