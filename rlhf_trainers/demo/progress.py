@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -67,41 +67,12 @@ def timed_stage(stages: list[Stage], number: int, total: int, title: str) -> Ite
 # ---- progress bar -----------------------------------------------------------------------------------
 
 
-def _progress_callback(desc: str, postfix: dict[str, str]) -> Any:
-    """A TrainerCallback showing one tqdm bar for a training run, with the latest values of the logged
-    metrics in ``postfix`` (log name -> short label). Replaces the Trainer's own bar, which would print
-    every log dict (one per update here) under it."""
-    from tqdm.auto import tqdm
-    from transformers import TrainerCallback
-
-    class _Progress(TrainerCallback):
-        bar: Any = None
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=state.max_steps, desc=desc, unit="step", dynamic_ncols=True)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.update(state.global_step - self.bar.n)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if self.bar is not None and logs:
-                shown = {label: f"{logs[key]:.3g}" for key, label in postfix.items() if key in logs}
-                if shown:
-                    self.bar.set_postfix(shown, refresh=False)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
-
-    return _Progress()
-
-
 def quiet(trainer: Trainer, desc: str, postfix: dict[str, str]) -> Trainer:
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    """Show `trainer`'s run as one bar labelled `desc` with the latest values of the logged metrics in
+    ``postfix`` (log name -> short label), and no summary (the demo has its own report): the trainers'
+    :class:`~rlhf_trainers.display.TrainingDisplay` in place of the Trainer's own bar or printer, which
+    would print every log dict (one per update here)."""
+    from ..display import TrainingDisplay, use_display
 
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(_progress_callback(desc, postfix))
+    use_display(trainer, TrainingDisplay(desc, postfix, summary=False))
     return trainer

@@ -14,6 +14,7 @@ class GRPOObjective(Objective):
     """GRPO (TRL's GRPOTrainer), with verl's estimators by name."""
 
     trl_metric_names = True
+    display_metrics = (("objective/scores", "reward"), ("reward_std", "reward_std"), ("objective/kl", "kl"))
 
     def advantages(self, rollout: Rollout, rewards: torch.Tensor, kl_coef: float) -> Advantages:
         """The advantages of ``advantage_estimator`` (registered by name: group-relative with

@@ -31,17 +31,24 @@ SAMPLES_FILE = "samples.jsonl"
 RANK_SEED_STRIDE = 100003
 
 
-def print_sample_table(rows: list[dict[str, Any]], title: str, to_log: bool = False) -> None:
-    """Print (or log at INFO) ``[score] prompt ||| completion`` lines of a sample table."""
+def print_sample_table(
+    rows: list[dict[str, Any]], title: str, to_log: bool = False, display: Any = None
+) -> None:
+    """Print (or log at INFO) ``[score] prompt ||| completion`` lines of a sample table; through the
+    trainer's progress display when given (which prints the run's first table and keeps the latest for its
+    summary: :meth:`rlhf_trainers.display.TrainingDisplay.show_samples`)."""
     text = "\n".join(f"  [{r['score']:+.3f}] {r['prompt']!s} ||| {r['completion']}" for r in rows)
     if to_log:
         logger.info("%s:\n%s", title, text)
+    elif display is not None:
+        display.show_samples(f"{title}:\n{text}")
     else:
         print(f"{title}:\n{text}")
 
 
 def log_samples(trainer: Any, rollout: Rollout) -> None:
-    """The first ``sample_table_size`` rows of a rollout: printed and appended to ``samples.jsonl``."""
+    """The first ``sample_table_size`` rows of a rollout: printed (with the progress display, only the run's
+    first table, and its latest in the summary) and appended to ``samples.jsonl``."""
     count = min(trainer.args.sample_table_size, len(rollout.completions))
     if not trainer.is_world_process_zero() or count == 0:
         return
@@ -54,7 +61,8 @@ def log_samples(trainer: Any, rollout: Rollout) -> None:
         }
         for i in range(count)
     ]
-    print_sample_table(table, f"sample completions at update {trainer.state.global_step}")
+    title = f"sample completions at update {trainer.state.global_step}"
+    print_sample_table(table, title, display=getattr(trainer, "display", None))
     os.makedirs(trainer.args.output_dir, exist_ok=True)
     with open(os.path.join(trainer.args.output_dir, SAMPLES_FILE), "a", encoding="utf-8") as fh:
         for row in table:

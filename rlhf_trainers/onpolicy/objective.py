@@ -35,6 +35,9 @@ class Objective:
     #: ``entropy``, ``clip_ratio/*``, ``completions/*``, ...) beside its own (GRPO and RLOO do; PPO keeps
     #: TRL's PPOTrainer names).
     trl_metric_names: bool = False
+    #: The figures the progress bar shows live and the end-of-run summary compares (first -> last
+    #: logged), as ``(logged name, label)`` pairs (:class:`rlhf_trainers.display.TrainingDisplay`).
+    display_metrics: tuple[tuple[str, str], ...] = (("objective/scores", "reward"), ("objective/kl", "kl"))
 
     def __init__(self, args: Any, collectives: Collectives) -> None:
         self.args = args

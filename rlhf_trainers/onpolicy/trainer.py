@@ -43,6 +43,7 @@ from ..compat import TrainerHooksMixin
 from ..compilation import CompiledBlocks
 from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PromptCollator
+from ..display import install_display
 from ..distributed_exit import tear_down_process_group_at_exit
 from ..generation.factory import backend_summary
 from ..models import _is_peft_model
@@ -200,6 +201,8 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         # (the engine steps its learning-rate schedule itself, skipped optimizer steps included)
         self._reliability = reliability_callback(self, loop_holds_schedule_on_skip=False)
         self.add_callback(self._reliability)
+        #: The progress bar and summary (rlhf_trainers.display); None with disable_tqdm=True (dicts printed).
+        self.display = install_display(self, self.algorithm_name, self.algorithm.display_metrics)
 
     def _build_parts(self, models: Any, stop_ids: list[int]) -> None:
         """The batch plan and the engine's parts, once ``Trainer.__init__`` made the accelerator."""

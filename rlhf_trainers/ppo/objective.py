@@ -15,6 +15,12 @@ class PPOObjective(Objective):
 
     #: The registered advantage estimator PPO uses (:mod:`rlhf_trainers.functional.registry`).
     advantage_estimator = "gae"
+    display_metrics = (
+        ("objective/scores", "reward"),
+        ("objective/kl", "kl"),
+        ("loss/value_avg", "value_loss"),
+        ("policy/clipfrac_avg", "clipfrac"),
+    )
 
     def advantages(self, rollout: Rollout, rewards: torch.Tensor, kl_coef: float) -> Advantages:
         """GAE over the value model's estimates (``gamma``, ``lam``, ``lam_value``, length-adaptive lam);

@@ -14,6 +14,11 @@ class RLOOObjective(Objective):
     """RLOO (the RLOO blog's algorithm, with its sequence- and token-level variants)."""
 
     trl_metric_names = True
+    display_metrics = (
+        ("objective/scores", "reward"),
+        ("objective/kl", "kl"),
+        ("policy/clipfrac_avg", "clipfrac"),
+    )
 
     @property
     def needs_generation_logprobs(self) -> bool:  # type: ignore[override]

@@ -183,7 +183,10 @@ class OnPolicyScriptArguments:
     )
     results_file: str | None = field(
         default=None,
-        metadata={"help": "Write the eval metrics before and after training as JSON here (main process)."},
+        metadata={
+            "help": "Write the metrics (eval before and after training, training) as JSON here (main process). "
+            "Default: <output_dir>/results.json, unless --disable_tqdm true, which prints the JSON instead."
+        },
     )
 
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -450,14 +453,35 @@ def run_info(trainer: Trainer) -> dict[str, Any]:
 
 
 def report(trainer: Trainer, results: dict[str, Any], results_file: str | None) -> None:
-    """Print `results` as JSON and write them to `results_file` (main process only)."""
+    """Write `results` as JSON to `results_file` and print them (main process only). A trainer with a
+    progress display (``trainer.display``: the on-policy trainers without ``--disable_tqdm``) prints two
+    lines instead, the eval reward before -> after and where the model and the JSON are (`results_file`,
+    by default ``<output_dir>/results.json``); otherwise the JSON is printed, as the scripts parse it."""
     if not trainer.accelerator.is_main_process:
         return
     text = json.dumps(results, indent=2)
-    print(text)
+    if getattr(trainer, "display", None) is None:
+        print(text)
+    else:
+        results_file = results_file or str(Path(trainer.args.output_dir) / "results.json")
+        print(_short_report(results, trainer.args.output_dir, results_file))
     if results_file:
         Path(results_file).parent.mkdir(parents=True, exist_ok=True)
         Path(results_file).write_text(text + "\n")
+
+
+def _short_report(results: dict[str, Any], output_dir: str, results_file: str) -> str:
+    """The CLI's last lines under the progress display: the eval reward before -> after, and the paths."""
+    key = "eval_objective/scores"
+    before, after = results.get("before", {}).get(key), results.get("after", {}).get(key)
+    lines = []
+    if after is not None:
+        change = (
+            f"{before:.3g} before -> {after:.3g} after training" if before is not None else f"{after:.3g}"
+        )
+        lines.append(f"eval reward (objective/scores on the test split): {change}")
+    lines.append(f"model saved to {output_dir}; every metric in {results_file}")
+    return "\n".join(lines)
 
 
 def run_onpolicy(
