@@ -44,6 +44,7 @@ from ..compilation import CompiledBlocks
 from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PromptCollator
 from ..distributed_exit import tear_down_process_group_at_exit
+from ..model_paths import check_model_paths
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpoints, reliability_callback
@@ -134,6 +135,13 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
                 f"{type(self).__name__} needs a train_dataset of prompts (a 'prompt' column of text or chat "
                 "messages, or an 'input_ids' column)."
             )
+        models = {
+            "model": model,
+            "ref_model": ref_model,
+            "reward_model": reward_model,
+            "value_model": value_model,
+        }
+        check_model_paths(models, args.model_init_kwargs)  # before anything loads: one clear error
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
         if reward_model is None and not reward_funcs:
