@@ -197,6 +197,11 @@ def test_every_problem_of_a_config_is_listed_at_once(tmp_path, capsys):
     assert "  - --adam_beta2 1.0: expected a number in [0, 1)" in err
 
 
+def test_the_demo_and_kit_commands_print_their_errors_first_too(capsys):
+    assert "unknown flag(s): --bogus." in _cli_error(capsys, ["demo", "--bogus"])
+    assert "--kit_dir/--kit-dir: expected one argument" in _cli_error(capsys, ["kit", "--kit_dir"])
+
+
 def test_a_value_error_from_outside_the_package_keeps_its_traceback():
     namespace: dict = {}
     exec(

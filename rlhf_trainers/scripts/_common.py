@@ -202,7 +202,9 @@ def flag_given(name: str, args: Sequence[str]) -> bool:
     return any(arg.split("=", 1)[0] in spellings for arg in args)
 
 
-def _unknown_arguments_message(parser: HfArgumentParser, unknown: Sequence[str]) -> str:
+def unknown_arguments_message(parser: HfArgumentParser, unknown: Sequence[str]) -> str:
+    """The error for the `unknown` arguments ``parse_known_args`` left: each unknown flag with the close
+    matches among `parser`'s flags, and each value that follows no flag."""
     # Suggest each flag in its first spelling (--learning_rate), not its dashed alias too.
     options = [action.option_strings[0] for action in parser._actions if action.option_strings]
     problems, after_flag = [], False
@@ -351,7 +353,7 @@ def parse_args(
         ] + args
     _, unknown = parser.parse_known_args(args)
     if unknown:
-        parser.error(_unknown_arguments_message(parser, unknown))
+        parser.error(unknown_arguments_message(parser, unknown))
     try:
         return tuple(parser.parse_args_into_dataclasses(args=args, look_for_args_file=False))
     except ValueError as error:  # a config's __post_init__ rejected a value: a usage error, not a crash
