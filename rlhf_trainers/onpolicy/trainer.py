@@ -135,13 +135,8 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
                 f"{type(self).__name__} needs a train_dataset of prompts (a 'prompt' column of text or chat "
                 "messages, or an 'input_ids' column)."
             )
-        models = {
-            "model": model,
-            "ref_model": ref_model,
-            "reward_model": reward_model,
-            "value_model": value_model,
-        }
-        check_model_paths(models, args.model_init_kwargs)  # before anything loads: one clear error
+        paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
+        check_model_paths(paths, args.model_init_kwargs)  # before anything loads: one clear error
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
         if reward_model is None and not reward_funcs:
