@@ -74,6 +74,17 @@ def test_grpo_reward_funcs_naming_a_missing_folder_fail_at_construction(kit, tmp
         )
 
 
+def test_a_bare_word_in_reward_funcs_says_how_a_string_names_a_reward_model(kit, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
+    with pytest.raises(
+        TypeError, match=r"got str: 'rm'\. A string names a reward model only as a folder path \(\./rm\)"
+    ):
+        GRPOTrainer(
+            str(kit.model_path("llama-sft")), reward_funcs="rm", args=config, train_dataset=_prompts()
+        )
+
+
 def test_reward_trainer_refuses_a_missing_model_folder(tmp_path):
     pairs = datasets.Dataset.from_dict({"chosen": ["good"], "rejected": ["bad"]})
     config = RewardConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
