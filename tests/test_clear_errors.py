@@ -13,6 +13,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+import transformers
 
 from rlhf_trainers import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer
 from rlhf_trainers.cli import main
@@ -41,6 +42,17 @@ def _cli_error(capsys, argv: list[str]) -> str:
     err = err[err.index(f"rlhf-trainers {argv[0]}: error: ") :]
     assert err.strip().splitlines()[-1] == f"Run `rlhf-trainers {argv[0]} --help` for the flags."
     return err
+
+
+def _forbid_loading(monkeypatch) -> None:
+    """Make loading any model or tokenizer fail the test: the error must come before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a model or tokenizer was loaded before the error: {args}")
+
+    for auto_class in (transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification):
+        monkeypatch.setattr(auto_class, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
 
 
 # ---- model paths: Python ------------------------------------------------------------------------
@@ -167,6 +179,7 @@ def test_the_cli_refuses_a_missing_model_folder_in_two_lines_before_loading_anyt
 )
 def test_every_model_flag_is_checked(tmp_path, monkeypatch, capsys, argv, flag):
     monkeypatch.chdir(tmp_path)
+    _forbid_loading(monkeypatch)
     err = _cli_error(capsys, [*argv, "--output_dir", str(tmp_path / "out"), *QUIET])
     assert f"error: {flag}: the folder {tmp_path / flag.split('./')[1]} does not exist." in err
 
@@ -184,7 +197,8 @@ def test_a_dataset_without_a_prompt_column_names_the_flag_that_fixes_it(tmp_path
     assert "--prompt_column text" in err and "rename_column" not in err
 
 
-def test_a_negative_learning_rate_is_refused_when_parsing(tmp_path, capsys):
+def test_a_negative_learning_rate_is_refused_when_parsing(tmp_path, monkeypatch, capsys):
+    _forbid_loading(monkeypatch)
     err = _cli_error(capsys, ["ppo", "--learning_rate", "-1", "--output_dir", str(tmp_path)])
     assert "error: --learning_rate -1.0: expected a finite number >= 0" in err
 
