@@ -147,8 +147,14 @@ def check_model_path(value: Any, what: str, *, model_kwargs: Mapping[str, Any] |
         return
     kwargs = dict(model_kwargs or {})
     text = os.fspath(value)
-    path = Path(text).expanduser()
+    path = Path(text)
     given = f"{what} {text}" if what.startswith("--") else f"{what}={text!r}"
+    if text.startswith("~"):  # from_pretrained reads the path as written
+        home = path.expanduser()
+        raise ModelNotFoundError(
+            f"{given}: '~' is not expanded when models are loaded; pass the full path, {home}"
+            f"{'' if home.is_dir() else ' (which does not exist either)'}."
+        )
     if path.is_dir():
         problem = _folder_problem(path, kwargs)
         if problem:

@@ -116,6 +116,15 @@ def test_a_folder_without_a_model_points_at_its_checkpoints(tmp_path):
     check_model_path(str(tmp_path / "run" / "checkpoint-8"), "model")  # a model folder passes
 
 
+def test_a_tilde_path_asks_for_the_full_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "sft").mkdir()
+    with pytest.raises(
+        ModelNotFoundError, match=rf"'~' is not expanded .* pass the full path, {tmp_path / 'sft'}\.$"
+    ):
+        check_model_path("~/sft", "model")
+
+
 def test_a_misspelt_folder_gets_a_suggestion(tmp_path):
     (tmp_path / "my-sft-model").mkdir()
     with pytest.raises(ModelNotFoundError, match=rf"Did you mean {tmp_path / 'my-sft-model'}\?"):
