@@ -20,6 +20,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 _COMMANDS = {
     "demo": "offline end-to-end RLHF demo on CPU (builds the offline kit, trains, reports)",
@@ -56,6 +57,24 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _parse(parser: Any, args: list[str]) -> tuple[Any, ...]:
+    """`args` parsed into the parser's dataclasses; a bad flag (unknown, or a value of the wrong type or
+    refused) prints its error first, with a pointer to ``--help``, not the whole usage, and exits with
+    status 2."""
+    from .scripts._common import as_flags, exit_with_error, unknown_arguments_message
+
+    parser.error = lambda message: exit_with_error(parser.prog, message)
+    _, unknown = parser.parse_known_args(args)
+    if unknown:
+        parser.error(unknown_arguments_message(parser, unknown))
+    try:
+        return tuple(parser.parse_args_into_dataclasses(args=args, look_for_args_file=False))
+    except ValueError as error:
+        dests = [action.dest for action in parser._actions]
+        parser.error(as_flags(str(error), dests))
+        raise  # pragma: no cover  (parser.error exits)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlhf-trainers`` console script. Returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -86,14 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import DemoArguments, run_demo
 
         parser = HfArgumentParser(DemoArguments, prog="rlhf-trainers demo", description=_COMMANDS["demo"])
-        (demo_args,) = parser.parse_args_into_dataclasses(args=rest)
+        (demo_args,) = _parse(parser, rest)
         run_demo(demo_args)
         return 0
 
     from .testing import get_kit
 
     parser = HfArgumentParser(KitArguments, prog="rlhf-trainers kit", description=_COMMANDS["kit"])
-    (kit_args,) = parser.parse_args_into_dataclasses(args=rest)
+    (kit_args,) = _parse(parser, rest)
     kit = get_kit(kit_args.kit_dir)
     paths = {
         "root": str(kit.root),

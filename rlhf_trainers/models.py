@@ -26,6 +26,7 @@ from torch import nn
 
 from .compat import has_loaded_adapter
 from .distributed import gathered
+from .model_paths import check_model_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -101,6 +102,7 @@ def tokenizer_of(
             )
         from transformers import AutoTokenizer
 
+        check_model_path(model, "model")
         processing_class = AutoTokenizer.from_pretrained(model)
     if not isinstance(processing_class, PreTrainedTokenizerBase):
         raise TypeError(
@@ -411,6 +413,7 @@ def load_reward_model(
         check_one_label(model)
         return model, False
     kwargs = dict(model_kwargs or {})
+    check_model_path(model, "reward model", model_kwargs=kwargs)
     if dtype is not None:
         kwargs["dtype"] = dtype
     if (Path(model) / "adapter_config.json").is_file():

@@ -203,7 +203,7 @@ def test_lora_flags_become_a_peft_config():
         (["ppo", "--lerning_rate", "1e-3"], ["--lerning_rate", "did you mean --learning_rate"]),
         (["reward", "--use_pef"], ["--use_pef", "did you mean --use_peft"]),
         (["rloo", "--max_steps", "2", "3"], ["the value '3', which follows no flag"]),
-        (["rloo", "--rloo_k", "1"], ["rloo_k=1", "set rloo_k=2 or more"]),
+        (["rloo", "--rloo_k", "1"], ["--rloo_k 1", "set --rloo_k 2 or more"]),
         (["ppo", "--learning_rate", "fast"], ["--learning_rate", "invalid float value: 'fast'"]),
         (["ppo", "--lora_r", "0"], ["--lora_r 0", "at least 1"]),
         (["reward", "--max_train_samples", "0"], ["--max_train_samples 0", "positive number"]),
@@ -214,7 +214,10 @@ def test_bad_flags_exit_with_a_clear_message(argv, expected, tmp_path, capsys):
         main([*argv, "--output_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"usage: rlhf-trainers {argv[0]} ")
+    # The error comes first, with a pointer to --help, and no usage dump.
+    assert err.startswith(f"rlhf-trainers {argv[0]}: error: ")
+    assert err.splitlines()[-1] == f"Run `rlhf-trainers {argv[0]} --help` for the flags."
+    assert "usage:" not in err and len(err.splitlines()) == 2
     for text in expected:
         assert text in err, (text, err[-600:])
     assert "Traceback" not in err
@@ -243,25 +246,37 @@ def test_dataset_name_reads_files_and_folders(tmp_path):
     assert splits(saved_dataset) == (rows["prompt"], None)
 
 
-def test_bad_dataset_paths_and_splits_say_what_exists(kit, tmp_path):
+def _usage_error(capsys, argv: list[str]) -> str:
+    """The stderr of `argv`, which must exit as a usage error: status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"rlhf-trainers {argv[0]}: error: " in err
+    return err
+
+
+def test_bad_dataset_paths_and_splits_say_what_exists(kit, tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     common = ["--output_dir", str(tmp_path / "out"), *QUIET]
-    with pytest.raises(FileNotFoundError, match=r"--dataset_name .*missing\.jsonl: no such file"):
-        main(["rloo", "--dataset_name", str(missing), *common])
+    err = _usage_error(capsys, ["rloo", "--dataset_name", str(missing), *common])
+    assert re.search(r"--dataset_name .*missing\.jsonl: no such file", err)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "the film was"}\n')
     folder = tmp_path / "saved"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["the film was"]})}).save_to_disk(
         folder
     )
-    with pytest.raises(ValueError, match=r"no split 'validation'; its splits are \['train'\]"):
-        main(["rloo", "--dataset_name", str(folder), "--dataset_train_split", "validation", *common])
-    with pytest.raises(ValueError, match=r"--prompt_column query: no such column .* \['prompt'\]"):
-        main(["rloo", "--dataset_name", str(prompts), "--prompt_column", "query", *common])
+    err = _usage_error(
+        capsys, ["rloo", "--dataset_name", str(folder), "--dataset_train_split", "validation", *common]
+    )
+    assert re.search(r"no split 'validation'; its splits are \['train'\]", err)
+    err = _usage_error(capsys, ["rloo", "--dataset_name", str(prompts), "--prompt_column", "query", *common])
+    assert re.search(r"--prompt_column query: no such column .* \['prompt'\]", err)
     text_file = tmp_path / "prompts.txt"
     text_file.write_text("the film was\n")
-    with pytest.raises(ValueError, match=r"ending in \.txt; a data file must end in one of \.json, \.jsonl"):
-        main(["ppo", "--dataset_name", str(text_file), *common])
+    err = _usage_error(capsys, ["ppo", "--dataset_name", str(text_file), *common])
+    assert re.search(r"ending in \.txt; a data file must end in one of \.json, \.jsonl", err)
 
 
 def test_rloo_console_script_trains_on_a_local_model_and_a_local_prompt_file(kit, tmp_path):

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config_problems import ConfigProblems
 from ..functional import SCALE_REWARDS, get_advantage_estimator
 from ..onpolicy.config import OnPolicyConfig, named_as_given
 from ..trl_compat import (
@@ -171,49 +172,71 @@ class GRPOConfig(TRLGRPOFields, TRLGenerationFields, OnPolicyConfig):
     save_steps: float = field(default=500, metadata={"help": "Save a checkpoint every X optimizer steps."})
 
     def __post_init__(self) -> None:
+        # Every check records its problems; one ConfigError lists them all at the end.
+        problems = ConfigProblems(self)
         resolve_min_p(self)
-        refuse_unsupported(self)
-        resolve_grpo_aliases(self)
-        self._map_trl_names()
-        try:
-            super().__post_init__()
-        except ValueError as err:  # an engine field set from a TRL name: name the TRL field
-            raise named_as_given(err, self, {ours: trl for trl, ours in _ENGINE_NAMES.items()}) from err
-        fold_trust_remote_code(self)
-        if self.num_generations < 2:
-            raise ValueError(
+        with problems.collect():
+            refuse_unsupported(self)
+        with problems.collect():
+            resolve_grpo_aliases(self)
+        if self.num_generations == 1:  # other bad values: _map_trl_names
+            problems.add(
                 f"num_generations={self.num_generations}: GRPO's baseline is the mean of a prompt's group, "
                 "so a group needs at least 2 completions; set num_generations=2 or more."
             )
+        if self._map_trl_names(problems):  # the engine's fields are set: check them too
+            # An engine field set from a TRL name is named by the TRL field.
+            aliases = {ours: trl for trl, ours in _ENGINE_NAMES.items()}
+            with problems.collect(reword=lambda err: named_as_given(err, self, aliases)):
+                super().__post_init__()
+            self._check_max_steps(problems)
+        with problems.collect():
+            fold_trust_remote_code(self)
+        problems.raise_if_any()
 
-    def _map_trl_names(self) -> None:
-        """Check TRL's fields and set the engine's from them."""
-        for name in ("num_generations", "num_iterations", "max_completion_length"):
+    def _map_trl_names(self, problems: ConfigProblems) -> bool:
+        """Check TRL's fields and set the engine's from them; False (problems recorded) when they cannot
+        be set."""
+        found = len(problems.problems)
+        for name in (
+            "num_generations",
+            "num_iterations",
+            "max_completion_length",
+            "gradient_accumulation_steps",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1.")
-        get_advantage_estimator(self.advantage_estimator)  # a ValueError naming the registered ones
+                problems.add(f"{name}={value!r}: expected an integer >= 1.")
+        with problems.collect():
+            get_advantage_estimator(self.advantage_estimator)  # a ValueError naming the registered ones
         if self.advantage_estimator == "gae":
-            raise ValueError(
+            problems.add(
                 "advantage_estimator='gae' needs a value model, which GRPO has none of; use PPOTrainer for GAE."
             )
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r}: expected one of {tuple(LOSS_TYPES)}.")
+        if self.loss_type not in LOSS_TYPES and not problems.mentions("loss_type"):
+            problems.add(f"loss_type={self.loss_type!r}: expected one of {tuple(LOSS_TYPES)}.")
         if self.scale_rewards is True or self.scale_rewards == "true":
             self.scale_rewards = "group"
         elif self.scale_rewards is False or self.scale_rewards == "false":
             self.scale_rewards = "none"
         if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(
+            problems.add(
                 f"scale_rewards={self.scale_rewards!r}: expected one of {SCALE_REWARDS} (or True / False)."
             )
+        if len(problems.problems) > found or self.loss_type not in LOSS_TYPES:
+            return False
         accumulation = self.gradient_accumulation_steps
-        steps = self._steps_per_generation()
+        try:
+            steps = self._steps_per_generation()
+        except ValueError as err:
+            problems.add(str(err))
+            return False
         if steps % accumulation:
-            raise ValueError(
+            problems.add(
                 f"steps_per_generation={steps} must be a multiple of gradient_accumulation_steps={accumulation}: "
                 "each optimizer step takes gradient_accumulation_steps micro-batches of one generation."
             )
+            return False
         self.steps_per_generation = steps
         derived: dict[str, Any] = {
             "num_ppo_epochs": self.num_iterations,
@@ -228,7 +251,7 @@ class GRPOConfig(TRLGRPOFields, TRLGenerationFields, OnPolicyConfig):
         for engine, value in derived.items():
             given = getattr(self, engine)
             if given is not None and given != value:
-                raise ValueError(
+                problems.add(
                     f"{engine}={given!r} conflicts with {trl_name[engine]}={getattr(self, trl_name[engine])!r} "
                     f"(which sets {engine}={value!r}); GRPOConfig takes TRL's names: set "
                     f"{trl_name[engine]} only."
@@ -236,14 +259,20 @@ class GRPOConfig(TRLGRPOFields, TRLGenerationFields, OnPolicyConfig):
             setattr(self, engine, value)
         if self.epsilon_high is not None:
             if self.cliprange_high is not None and self.cliprange_high != self.epsilon_high:
-                raise ValueError(
+                problems.add(
                     f"cliprange_high={self.cliprange_high!r} conflicts with epsilon_high={self.epsilon_high!r}; "
                     "set epsilon_high only."
                 )
             self.cliprange_high = self.epsilon_high
+        return len(problems.problems) == found
+
+    def _check_max_steps(self, problems: ConfigProblems) -> None:
+        """A run ends after a whole generation: ``max_steps`` must be a multiple of its optimizer steps."""
         steps_per_update = self.optimizer_steps_per_generation
+        steps = self.steps_per_generation
+        accumulation = self.gradient_accumulation_steps
         if steps_per_update > 1 and self.max_steps > 0 and self.max_steps % steps_per_update:
-            raise ValueError(
+            problems.add(
                 f"max_steps={self.max_steps}: one generation here is {steps_per_update} optimizer steps "
                 f"(num_iterations={self.num_iterations} x steps_per_generation / gradient_accumulation_steps = "
                 f"{steps // accumulation}) and a run ends after a whole generation; use a multiple of "

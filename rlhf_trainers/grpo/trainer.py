@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..generation.factory import backend_summary
+from ..model_paths import check_model_paths
 from ..onpolicy.trainer import OnPolicyTrainer
 from ..rewards import split_reward_funcs
+from ..rewards.sources import names_a_model
 from .config import GRPOConfig
 from .objective import GRPOObjective
 
@@ -92,6 +94,14 @@ class GRPOTrainer(OnPolicyTrainer):
         cpu_options: CPUOptions | None = None,
     ) -> None:
         args = self._checked_args(args)
+        listed = isinstance(reward_funcs, (list, tuple))
+        entries = list(reward_funcs) if listed else [reward_funcs]
+        named = {
+            f"reward_funcs[{i}]" if listed else "reward_funcs": f
+            for i, f in enumerate(entries)
+            if names_a_model(f)
+        }
+        check_model_paths(named, args.model_init_kwargs)  # before anything loads: one clear error
         if reward_model is not None:
             # The engine's keyword (PPO's and RLOO's): the reward model first, then the functions.
             more = (

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
 
+from ..config_problems import ConfigProblems, check_optimizer_fields, parse_json_field
 from ..reliability import ReliabilityArguments
 from ..rewards import REWARD_ERROR_MODES
 from . import config_checks
@@ -519,23 +519,32 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        # Every check below records its problems; one ConfigError lists them all at the end.
+        problems = ConfigProblems(self)
         if isinstance(self.model_init_kwargs, str):
-            self.model_init_kwargs = json.loads(self.model_init_kwargs)
-        super().__post_init__()
-        self._check_reliability_fields()
+            text, self.model_init_kwargs = self.model_init_kwargs, None  # stays None if not valid JSON
+            with problems.collect():
+                self.model_init_kwargs = parse_json_field("model_init_kwargs", text)
+        with problems.collect():
+            super().__post_init__()
+        with problems.collect():
+            self._check_reliability_fields()
+        check_optimizer_fields(self, problems)
         if self.reward_func_errors not in REWARD_ERROR_MODES:
-            raise ValueError(
+            problems.add(
                 f"reward_func_errors={self.reward_func_errors!r}: expected one of {REWARD_ERROR_MODES}."
             )
-        config_checks.check_counts(self)
-        config_checks.check_sampling_fields(self)
-        config_checks.check_vllm_fields(self)
-        config_checks.check_reward_and_loss_fields(self)
+        config_checks.check_counts(self, problems)
+        config_checks.check_sampling_fields(self, problems)
+        config_checks.check_vllm_fields(self, problems)
+        config_checks.check_reward_and_loss_fields(self, problems)
         plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
         if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
-            self.check_deepspeed_config(plugin.deepspeed_config)
+            with problems.collect():
+                self.check_deepspeed_config(plugin.deepspeed_config)
         if self.torch_compile and (self.deepspeed or plugin is not None):
-            raise ValueError(TORCH_COMPILE_WITH_DEEPSPEED)
+            problems.add(TORCH_COMPILE_WITH_DEEPSPEED)
+        problems.raise_if_any()
 
     def check_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         """Raise a ValueError for DeepSpeed settings that cannot work with these fields.

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from ..compat import peft_wrap
 from ..data import PromptTokenizationStats, tokenize_prompts
 from ..distributed import copy_model
+from ..model_paths import check_model_path
 from ..models import (
     _is_peft_model,
     check_one_label,
@@ -81,6 +82,7 @@ def load_causal_lm(
         return model
     from transformers import AutoModelForCausalLM
 
+    check_model_path(model, what, model_kwargs=kwargs)
     return AutoModelForCausalLM.from_pretrained(model, **dict(kwargs or {}))
 
 

@@ -46,6 +46,7 @@ from ..data import PromptCollator
 from ..display import install_display
 from ..distributed_exit import tear_down_process_group_at_exit
 from ..generation.factory import backend_summary
+from ..model_paths import check_model_paths
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpoints, reliability_callback
@@ -136,6 +137,8 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
                 f"{type(self).__name__} needs a train_dataset of prompts (a 'prompt' column of text or chat "
                 "messages, or an 'input_ids' column)."
             )
+        paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
+        check_model_paths(paths, args.model_init_kwargs)  # before anything loads: one clear error
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
         if reward_model is None and not reward_funcs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config_problems import ConfigProblems
 from ..onpolicy.config import OnPolicyConfig
 
 VALUE_MODEL_INITS = ("policy", "reward_model")
@@ -72,36 +73,35 @@ class PPOConfig(OnPolicyConfig):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        problems = ConfigProblems(self)  # the engine's problems and PPO's, listed together
+        with problems.collect():
+            super().__post_init__()
         value = self.num_generations
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"num_generations={value!r}: expected an integer >= 1 (completions per prompt).")
+            problems.add(f"num_generations={value!r}: expected an integer >= 1 (completions per prompt).")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ValueError(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
+            problems.add(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
         if self.lam_value is not None and not 0 <= self.lam_value <= 1:
-            raise ValueError(f"lam_value={self.lam_value}: must be in [0, 1] or None.")
+            problems.add(f"lam_value={self.lam_value}: must be in [0, 1] or None.")
         if self.vf_coef < 0:
-            raise ValueError(f"vf_coef={self.vf_coef}: must be >= 0.")
+            problems.add(f"vf_coef={self.vf_coef}: must be >= 0.")
         if self.cliprange_value is not None and not self.cliprange_value > 0:
-            raise ValueError(f"cliprange_value={self.cliprange_value}: must be > 0, or None for no clipping.")
+            problems.add(f"cliprange_value={self.cliprange_value}: must be > 0, or None for no clipping.")
         if self.length_adaptive_alpha < 0:
-            raise ValueError(
-                f"length_adaptive_alpha={self.length_adaptive_alpha}: must be >= 0 (0 disables it)."
-            )
+            problems.add(f"length_adaptive_alpha={self.length_adaptive_alpha}: must be >= 0 (0 disables it).")
         if self.critic_warmup_steps < 0:
-            raise ValueError(f"critic_warmup_steps={self.critic_warmup_steps}: must be >= 0.")
+            problems.add(f"critic_warmup_steps={self.critic_warmup_steps}: must be >= 0.")
         if self.critic_learning_rate is not None and not self.critic_learning_rate > 0:
-            raise ValueError(f"critic_learning_rate={self.critic_learning_rate}: must be > 0, or None.")
+            problems.add(f"critic_learning_rate={self.critic_learning_rate}: must be > 0, or None.")
         if self.rollout_values not in ROLLOUT_VALUES:
-            raise ValueError(
+            problems.add(
                 f"rollout_values={self.rollout_values!r}: expected one of {ROLLOUT_VALUES} ('forward': a "
                 "separate no-grad value pass over every completion; 'auto': the first micro-batch's values "
                 "from its training pass)."
             )
         if self.value_model_init not in VALUE_MODEL_INITS:
-            raise ValueError(
-                f"value_model_init={self.value_model_init!r}: expected one of {VALUE_MODEL_INITS}."
-            )
+            problems.add(f"value_model_init={self.value_model_init!r}: expected one of {VALUE_MODEL_INITS}.")
+        problems.raise_if_any()
 
     def check_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         """:meth:`OnPolicyConfig.check_deepspeed_config`, plus: an ``"optimizer"`` section (DeepSpeed's

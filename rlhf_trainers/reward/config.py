@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from ..config_problems import ConfigProblems, check_optimizer_fields, parse_json_field
 from ..reliability import ReliabilityArguments
 from ..trl_compat import TRLRewardFields, fold_trust_remote_code, refuse_unsupported
 
@@ -128,24 +129,31 @@ class RewardConfig(TRLRewardFields, ReliabilityArguments, TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        # Every check records its problems; one ConfigError lists them all at the end.
+        problems = ConfigProblems(self)
         if isinstance(self.model_init_kwargs, str):
-            import json
-
-            self.model_init_kwargs = json.loads(self.model_init_kwargs)
-        refuse_unsupported(self)
-        super().__post_init__()
-        fold_trust_remote_code(self)
-        self._check_reliability_fields()
+            text, self.model_init_kwargs = self.model_init_kwargs, None  # stays None if not valid JSON
+            with problems.collect():
+                self.model_init_kwargs = parse_json_field("model_init_kwargs", text)
+        with problems.collect():
+            refuse_unsupported(self)
+        with problems.collect():
+            super().__post_init__()
+        with problems.collect():
+            fold_trust_remote_code(self)
+        with problems.collect():
+            self._check_reliability_fields()
+        check_optimizer_fields(self, problems)
         if self.long_pairs not in LONG_PAIRS:
-            raise ValueError(f"long_pairs={self.long_pairs!r}: expected one of {LONG_PAIRS}.")
+            problems.add(f"long_pairs={self.long_pairs!r}: expected one of {LONG_PAIRS}.")
         if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length={self.max_length}: must be >= 2 (or None for no limit).")
+            problems.add(f"max_length={self.max_length}: must be >= 2 (or None for no limit).")
         if self.reward_normalization not in NORMALIZATION_WHEN:
-            raise ValueError(
+            problems.add(
                 f"reward_normalization={self.reward_normalization!r}: expected one of {NORMALIZATION_WHEN}."
             )
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            raise ValueError(
+            problems.add(
                 f"center_rewards_coefficient={self.center_rewards_coefficient}: must be >= 0 or None."
             )
         for name in (
@@ -154,8 +162,9 @@ class RewardConfig(TRLRewardFields, ReliabilityArguments, TrainingArguments):
             "normalization_batch_size",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1.")
+                problems.add(f"{name}={getattr(self, name)}: must be >= 1.")
         if not self.normalization_target_std > 0:
-            raise ValueError(f"normalization_target_std={self.normalization_target_std}: must be > 0.")
+            problems.add(f"normalization_target_std={self.normalization_target_std}: must be > 0.")
         if not self.normalization_temperature > 0:
-            raise ValueError(f"normalization_temperature={self.normalization_temperature}: must be > 0.")
+            problems.add(f"normalization_temperature={self.normalization_temperature}: must be > 0.")
+        problems.raise_if_any()

@@ -18,6 +18,7 @@ from ..compat import EvaluateBeforeTrainMixin, peft_wrap, prepare_inputs
 from ..cpu import CPUOptions, apply_host_memory_settings, resolve_cpu_options
 from ..data import PreferenceCollator, PreferenceTokenizationStats, longest_sequence, tokenize_preferences
 from ..distributed_exit import tear_down_process_group_at_exit
+from ..model_paths import check_model_paths
 from ..models import (
     _base,
     align_pad_token,
@@ -133,7 +134,7 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         args, processing_class = _checked_arguments(
-            model, args, processing_class, train_dataset, eval_dataset, peft_config
+            model, args, processing_class, train_dataset, eval_dataset, peft_config, normalization_policy
         )
         if args.reward_normalization != "no" and (
             normalization_policy is None or normalization_prompts is None
@@ -460,9 +461,10 @@ def _checked_arguments(
     train_dataset: datasets.Dataset | None,
     eval_dataset: datasets.Dataset | dict[str, datasets.Dataset] | None,
     peft_config: PeftConfig | None,
+    normalization_policy: Any = None,
 ) -> tuple[RewardConfig, PreTrainedTokenizerBase]:
     """``args`` (or the default config) and the tokenizer (loaded from ``model`` when not given), after
-    refusing what RewardTrainer cannot work with."""
+    refusing what RewardTrainer cannot work with (a model path that names nothing, first)."""
     if args is None:
         args = RewardConfig(output_dir="reward-model")
     elif not isinstance(args, RewardConfig):
@@ -470,6 +472,8 @@ def _checked_arguments(
             f"args must be a RewardConfig, got {type(args).__name__}; build one with "
             "RewardConfig(output_dir=..., **fields) (it accepts every TrainingArguments field)."
         )
+    named = {"model": model, "normalization_policy": normalization_policy}
+    check_model_paths(named, args.model_init_kwargs)
     processing_class = tokenizer_of(model, processing_class, "the tokenizer")
     if train_dataset is None and eval_dataset is None:
         raise ValueError("RewardTrainer needs a train_dataset (or at least an eval_dataset to evaluate).")

@@ -116,9 +116,14 @@ class _FuncSpec:
 def _inspect_reward_func(func: Any, index: int) -> _FuncSpec:
     """Check that ``func`` can be called as ``func(prompts=..., completions=..., **columns)``."""
     if not callable(func):
+        hint = (
+            f" A string names a reward model only as a folder path (./{func}) or a Hub id (owner/name)."
+            if isinstance(func, str)
+            else ""
+        )
         raise TypeError(
             f"reward_funcs[{index}] must be callable, a function f(prompts, completions, **kwargs) that "
-            f"returns one float per completion; got {type(func).__name__}: {func!r}."
+            f"returns one float per completion; got {type(func).__name__}: {func!r}.{hint}"
         )
     name = reward_func_name(func)
     try:

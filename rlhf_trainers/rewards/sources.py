@@ -38,13 +38,18 @@ def _unique_names(names: Sequence[str]) -> list[str]:
     return out
 
 
-def _names_a_model(value: Any) -> bool:
-    """A path or Hub id in ``reward_funcs``: an existing folder, or a string of the ``owner/name`` form.
-    Other strings stay where they are and are refused as not callable, with the reward sources' message
-    (e.g. a function's name given instead of the function)."""
+def names_a_model(value: Any) -> bool:
+    """A path or Hub id in ``reward_funcs``: an existing folder, a string spelled as a path (``./rm``,
+    ``/data/rm``, ``~/rm``, ``a/b/c``), or a string of the ``owner/name`` form. Other strings stay where
+    they are and are refused as not callable, with the reward sources' message (e.g. a function's name
+    given instead of the function)."""
+    from ..model_paths import looks_like_local_path
+
     if isinstance(value, os.PathLike):
         return True
-    return isinstance(value, str) and (os.path.isdir(value) or value.count("/") == 1)
+    return isinstance(value, str) and (
+        os.path.isdir(value) or value.count("/") == 1 or looks_like_local_path(value)
+    )
 
 
 def split_reward_funcs(
@@ -73,7 +78,7 @@ def split_reward_funcs(
             f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward_funcs; give one "
             "per reward function (None for plain functions)."
         )
-    models = [i for i, f in enumerate(funcs) if isinstance(f, PreTrainedModel) or _names_a_model(f)]
+    models = [i for i, f in enumerate(funcs) if isinstance(f, PreTrainedModel) or names_a_model(f)]
     if len(models) > 1:
         raise ValueError(
             f"reward_funcs holds {len(models)} reward models (positions {models}); the trainers take at most "

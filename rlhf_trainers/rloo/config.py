@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from ..config_problems import ConfigProblems
 from ..onpolicy.config import OnPolicyConfig, named_as_given
 from ..trl_compat import (
     TRLGenerationFields,
@@ -125,46 +126,55 @@ class RLOOConfig(TRLGenerationFields, OnPolicyConfig):
     )
 
     def __post_init__(self) -> None:
+        # Every check records its problems; one ConfigError lists them all at the end.
+        problems = ConfigProblems(self)
         resolve_min_p(self)
-        refuse_unsupported(self)
-        self._apply_trl_names()
-        try:
-            super().__post_init__()
-        except ValueError as err:  # a field set from a TRL 1.x name: name the TRL field
-            raise named_as_given(err, self, {ours: trl for trl, ours in TRL_NAMES.items()}) from err
-        fold_trust_remote_code(self)
+        with problems.collect():
+            refuse_unsupported(self)
+        applied = False
+        with problems.collect():
+            self._apply_trl_names()
+            applied = True
+        if applied:  # the engine's fields are set: check them too (named by the TRL field they came from)
+            aliases = {ours: trl for trl, ours in TRL_NAMES.items()}
+            with problems.collect(reword=lambda err: named_as_given(err, self, aliases)):
+                super().__post_init__()
+            self._check_max_steps(problems)
+        with problems.collect():
+            fold_trust_remote_code(self)
         if isinstance(self.rloo_k, bool) or not isinstance(self.rloo_k, int) or self.rloo_k < 2:
-            raise ValueError(
+            problems.add(
                 f"rloo_k={self.rloo_k!r}: the leave-one-out baseline needs at least 2 completions per prompt; "
                 "set rloo_k=2 or more."
             )
         if self.importance_sampling_level == "sequence" and not self.token_level_kl:
-            raise ValueError(
+            problems.add(
                 "importance_sampling_level='sequence' with token_level_kl=False: RLOO's sequence-level loss "
                 "already uses the ratio of whole completions (of their summed log-probs). Set "
                 "token_level_kl=True for GSPO's length-normalized sequence ratio per token."
             )
         if self.whiten_rewards and not self.token_level_kl:
-            raise ValueError(
+            problems.add(
                 "whiten_rewards=True whitens per-token rewards, which only the token-level reward uses "
                 "(token_level_kl=True); the sequence-level reward would silently ignore it. Set "
                 "token_level_kl=True, or use normalize_advantage=True to whiten the sequence advantages."
             )
         if self.truncated_is_cap is not None and not self.truncated_is_cap >= 1:
-            raise ValueError(
+            problems.add(
                 f"truncated_is_cap={self.truncated_is_cap}: expected a cap >= 1 (e.g. 2.0), or None."
             )
         if self.truncated_is_cap is not None and self.use_vllm:
-            raise ValueError(
+            problems.add(
                 "truncated_is_cap with use_vllm=True: with vLLM the importance-sampling correction is "
                 "vllm_importance_sampling_correction / _mode / _cap (on by default); drop truncated_is_cap."
             )
         if self.truncated_is_cap is not None and self.rollout_logprobs == "generation":
-            raise ValueError(
+            problems.add(
                 "truncated_is_cap with rollout_logprobs='generation': the correction weighs the training "
                 "forward pass's log-probs against the generation's, which would then be the same numbers "
                 "(every weight 1). Use rollout_logprobs='forward' (or 'auto', which picks it here)."
             )
+        problems.raise_if_any()
 
     def _apply_trl_names(self) -> None:
         """Set today's fields from the TRL 1.x names given, and resolve the step semantics. A field that
@@ -234,9 +244,18 @@ class RLOOConfig(TRLGenerationFields, OnPolicyConfig):
             )
         self.num_mini_batches = steps // accumulation
         self.steps_per_generation = steps
+
+    def _check_max_steps(self, problems: ConfigProblems) -> None:
+        """With TRL 1.x's semantics a run ends after a whole generation: ``max_steps`` must be a multiple
+        of its optimizer steps."""
         per_generation = self.optimizer_steps_per_generation
-        if per_generation > 1 and self.max_steps > 0 and self.max_steps % per_generation:
-            raise ValueError(
+        if (
+            self.trl_semantics
+            and per_generation > 1
+            and self.max_steps > 0
+            and self.max_steps % per_generation
+        ):
+            problems.add(
                 f"max_steps={self.max_steps}: with TRL 1.x's semantics a step is an optimizer step, one generation "
                 f"here is {per_generation} of them (num_iterations={self.num_ppo_epochs} x steps_per_generation / "
                 f"gradient_accumulation_steps = {self.num_mini_batches}) and a run ends after a whole generation; "

@@ -9,15 +9,17 @@ inside the functions that need them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
 import logging
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -203,7 +205,9 @@ def flag_given(name: str, args: Sequence[str]) -> bool:
     return any(arg.split("=", 1)[0] in spellings for arg in args)
 
 
-def _unknown_arguments_message(parser: HfArgumentParser, unknown: Sequence[str]) -> str:
+def unknown_arguments_message(parser: HfArgumentParser, unknown: Sequence[str]) -> str:
+    """The error for the `unknown` arguments ``parse_known_args`` left: each unknown flag with the close
+    matches among `parser`'s flags, and each value that follows no flag."""
     # Suggest each flag in its first spelling (--learning_rate), not its dashed alias too.
     options = [action.option_strings[0] for action in parser._actions if action.option_strings]
     problems, after_flag = [], False
@@ -219,7 +223,56 @@ def _unknown_arguments_message(parser: HfArgumentParser, unknown: Sequence[str])
             )
         else:
             after_flag = False
-    return f"unknown flag(s): {', '.join(problems)}. Run `{parser.prog} --help` to list the flags."
+    return f"unknown flag(s): {', '.join(problems)}."
+
+
+def exit_with_error(prog: str | None, message: str) -> NoReturn:
+    """Print `message` as the command's error, first and alone (no usage dump), with a pointer to
+    ``--help``, and exit with status 2 (argparse's status for a usage error)."""
+    prog = prog or Path(sys.argv[0]).name
+    sys.stderr.write(f"{prog}: error: {message}\nRun `{prog} --help` for the flags.\n")
+    raise SystemExit(2)
+
+
+#: A Python field name written as ``name=``, not inside a call or quotes (``Config(name=``, ``'name=``).
+_ASSIGNMENT = re.compile(r"(?<![\w.\-'\"(\[])([A-Za-z_]\w*)=(?!=)")
+
+
+def as_flags(message: str, flags: Iterable[str]) -> str:
+    """`message` with each ``name=value`` of a flag's field written as the command line takes it,
+    ``--name value`` (the configs' checks name fields as Python does)."""
+    names = set(flags)
+    return _ASSIGNMENT.sub(lambda m: f"--{m.group(1)} " if m.group(1) in names else m.group(0), message)
+
+
+def flag_names(dataclass_types: Sequence[type]) -> set[str]:
+    """The fields of `dataclass_types`: the flags of a command that parses them."""
+    return {f.name for dtype in dataclass_types for f in dataclasses.fields(dtype)}
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether `error` was raised by this package's own code (its last traceback frame is in
+    ``rlhf_trainers``): one of its checks, not a library's failure deeper down."""
+    package = str(Path(__file__).resolve().parent.parent)
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(package)
+
+
+@contextlib.contextmanager
+def usage_errors(prog: str | None, flags: Iterable[str]) -> Iterator[None]:
+    """Inside, a ``ValueError`` (or ``FileNotFoundError``) raised by this package's checks (a config, a
+    model path, a dataset, a trainer's construction) exits as a bad flag does: its message only, fields
+    written as flags (:func:`as_flags`), no traceback. Errors raised elsewhere propagate unchanged."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as error:
+        if not _raised_here(error):
+            raise
+        exit_with_error(prog, as_flags(str(error), flags))
 
 
 def _group_config_flags(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]) -> None:
@@ -276,7 +329,8 @@ def parse_args(
     `kit_defaults` is given and the command line has no ``--model_name_or_path`` (the run is on the
     offline kit), each of its ``field: value`` pairs replaces the config's default unless that flag is
     given. An unknown flag, a value of the wrong type or a value the config rejects exits with status 2
-    and a message that names it (argparse's ``error``), not with a traceback.
+    and a message that names it (:func:`exit_with_error`: the error first, no usage dump), not with a
+    traceback. A config's problems are listed all at once, their fields written as flags.
     """
     from transformers import HfArgumentParser
 
@@ -294,6 +348,7 @@ def parse_args(
         dataclass_types, prog=prog, description=description, epilog=epilog, allow_abbrev=False
     )
     _group_config_flags(parser, dataclass_types)
+    parser.error = lambda message: exit_with_error(parser.prog, message)  # type: ignore[method-assign]
     wants_help = "-h" in args or "--help" in args
     if kit_defaults and not wants_help and not flag_given("model_name_or_path", args):
         args = [
@@ -301,11 +356,11 @@ def parse_args(
         ] + args
     _, unknown = parser.parse_known_args(args)
     if unknown:
-        parser.error(_unknown_arguments_message(parser, unknown))
+        parser.error(unknown_arguments_message(parser, unknown))
     try:
         return tuple(parser.parse_args_into_dataclasses(args=args, look_for_args_file=False))
     except ValueError as error:  # a config's __post_init__ rejected a value: a usage error, not a crash
-        parser.error(str(error))
+        parser.error(as_flags(str(error), flag_names(dataclass_types)))
         raise  # pragma: no cover  (parser.error exits)
 
 
@@ -401,6 +456,13 @@ def load_prompts(
     """(train, test or None) prompt datasets: ``--dataset_name``'s, or the offline kit's, with the prompt
     column renamed to 'prompt'."""
     train, test = load_train_test(data, "prompts")
+    prompt_columns = ("prompt", "messages", "input_ids")
+    if script.prompt_column == "prompt" and not any(c in train.column_names for c in prompt_columns):
+        raise ValueError(
+            f"--dataset_name {data.dataset_name}: no prompt column (none of {', '.join(prompt_columns)}); "
+            f"its columns are {train.column_names}. Name the column that holds the prompts with "
+            f"--prompt_column, e.g. --prompt_column {train.column_names[0] if train.column_names else 'text'}."
+        )
     if script.prompt_column != "prompt":
         if script.prompt_column not in train.column_names:
             raise ValueError(
@@ -500,6 +562,31 @@ def run_onpolicy(
         :func:`run_info`, ``global_step``, ``train`` (the training metrics) and, with a test split,
         ``before``/``after`` (the eval metrics).
     """
+    trainer, test = build_onpolicy_trainer(trainer_class, script, data, lora, config, cpu_options)
+    return train_onpolicy(trainer, test, script, config)
+
+
+def check_model_flags(script: Any, config: Any) -> None:
+    """Refuse a ``--*_name_or_path`` flag that names no model folder and no reachable Hub model
+    (:func:`~rlhf_trainers.model_paths.check_model_path`), before anything is loaded."""
+    from ..model_paths import check_model_paths
+
+    names = ("model_name_or_path", "reward_model_name_or_path", "value_model_name_or_path")
+    named = {f"--{name}": getattr(script, name, None) for name in names}
+    check_model_paths(named, getattr(config, "model_init_kwargs", None))
+
+
+def build_onpolicy_trainer(
+    trainer_class: type[OnPolicyTrainer],
+    script: OnPolicyScriptArguments,
+    data: DatasetArguments,
+    lora: LoraArguments,
+    config: OnPolicyConfig,
+    cpu_options: CPUOptions | None = None,
+) -> tuple[OnPolicyTrainer, datasets.Dataset | None]:
+    """The trainer of :func:`run_onpolicy` (after checking the model flags and loading the prompts) and
+    its test split (or None)."""
+    check_model_flags(script, config)
     if script.model_name_or_path is None:
         script.model_name_or_path = kit_model_path()
     train, test = load_prompts(script, data)
@@ -525,6 +612,13 @@ def run_onpolicy(
         cpu_options=cpu_options,
         **script.trainer_kwargs(),
     )
+    return trainer, test
+
+
+def train_onpolicy(
+    trainer: OnPolicyTrainer, test: datasets.Dataset | None, script: OnPolicyScriptArguments, config: Any
+) -> dict[str, Any]:
+    """The rest of :func:`run_onpolicy`: evaluate, train, evaluate, save and report."""
     results = run_info(trainer)
     if test is not None and script.eval_before_training:
         results["before"] = trainer.evaluate()
@@ -553,11 +647,11 @@ def onpolicy_main(
     from ..cpu import CPUOptions
 
     # The config is built before any model is loaded: under ZeRO-3 the models are then partitioned on load.
+    types = (script_class, DatasetArguments, LoraArguments, config_class, CPUOptions)
     script, data, lora, config, cpu_options = parse_args(
-        (script_class, DatasetArguments, LoraArguments, config_class, CPUOptions),
-        argv,
-        prog=prog,
-        description=description,
-        kit_defaults=kit_defaults,
+        types, argv, prog=prog, description=description, kit_defaults=kit_defaults
     )
-    return run_onpolicy(trainer_class, script, data, lora, config, cpu_options)
+    # A bad model path, dataset or setting found while building the trainer is a usage error too.
+    with usage_errors(prog, flag_names(types)):
+        trainer, test = build_onpolicy_trainer(trainer_class, script, data, lora, config, cpu_options)
+    return train_onpolicy(trainer, test, script, config)

@@ -17,12 +17,15 @@ from ._common import (
     KIT_MODEL,
     DatasetArguments,
     LoraArguments,
+    check_model_flags,
+    flag_names,
     kit_model_path,
     load_train_test,
     parse_args,
     report,
     resume_argument,
     run_info,
+    usage_errors,
 )
 
 DESCRIPTION = (
@@ -67,26 +70,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     from ..cpu import CPUOptions
     from ..reward import RewardConfig, RewardTrainer
 
-    script, data, lora, config, cpu_options = parse_args(
-        (RewardScriptArguments, DatasetArguments, LoraArguments, RewardConfig, CPUOptions),
-        argv,
-        prog=prog,
-        description=DESCRIPTION,
-    )
-    if script.model_name_or_path is None:
-        script.model_name_or_path = kit_model_path()
-    train, test = load_train_test(data, "preferences")
+    types = (RewardScriptArguments, DatasetArguments, LoraArguments, RewardConfig, CPUOptions)
+    script, data, lora, config, cpu_options = parse_args(types, argv, prog=prog, description=DESCRIPTION)
+    # A bad model path, dataset or setting found while building the trainer is a usage error too.
+    with usage_errors(prog, flag_names(types)):
+        check_model_flags(script, config)
+        if script.model_name_or_path is None:
+            script.model_name_or_path = kit_model_path()
+        train, test = load_train_test(data, "preferences")
 
-    tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
-    trainer = RewardTrainer(
-        model=script.model_name_or_path,
-        args=config,
-        train_dataset=train,
-        eval_dataset=test,
-        processing_class=tokenizer,
-        peft_config=lora.peft_config("SEQ_CLS"),
-        cpu_options=cpu_options,
-    )
+        tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
+        trainer = RewardTrainer(
+            model=script.model_name_or_path,
+            args=config,
+            train_dataset=train,
+            eval_dataset=test,
+            processing_class=tokenizer,
+            peft_config=lora.peft_config("SEQ_CLS"),
+            cpu_options=cpu_options,
+        )
     trainer.train(resume_from_checkpoint=resume_argument(config))
     metrics: dict[str, Any] = trainer.evaluate() if test is not None else {}
     if script.normalize_with_policy:
