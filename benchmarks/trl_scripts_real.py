@@ -17,7 +17,8 @@ first step, which warms up, is left out of the median), the per-step ``reward`` 
 
     python benchmarks/trl_scripts_real.py --steps 12 --out benchmarks/results
 
-Writes ``<out>/trl_scripts_real.json`` and ``.md`` (``--render FILE.json`` rewrites the ``.md``).
+Writes ``<out>/trl_scripts_real.json``, ``.md`` and ``.png`` (the curves side by side; ``--render
+FILE.json`` redraws the ``.md`` and ``.png``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,46 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """One panel per script: the logged reward (or accuracy) per optimizer step, TRL's and ours."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scripts = result["scripts"]
+    cols = 5 if len(scripts) > 4 else len(scripts)
+    rows = -(-len(scripts) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax, script in zip(axes.flat, scripts, strict=False):
+        for lib, style in (
+            ("trl", dict(color="tab:orange", label="TRL 1.16")),
+            ("ours", dict(color="tab:blue", label="ours")),
+        ):
+            run = result["runs"][script].get(lib, {})
+            curve = run.get("curve") or []
+            ax.plot(
+                range(1, len(curve) + 1),
+                [float("nan") if v is None else v for v in curve],
+                marker=".",
+                **style,
+            )
+        ax.set_title(script, fontsize=9)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.set_ylabel(curve_key(script), fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(scripts) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(
+        f"TRL's documented scripts on SmolLM2-135M-Instruct ({result['machine']}, {result['date']})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scripts", default=",".join(ALL), help=f"comma-separated, of: {', '.join(ALL)}")
@@ -128,6 +169,7 @@ def main() -> None:
     if args.render:
         result = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(render(result))
+        plot(result, Path(args.render).with_suffix(".png"))
         return
     scripts = [s.strip() for s in args.scripts.split(",") if s.strip()]
     unknown = sorted(set(scripts) - set(ALL))
@@ -160,6 +202,7 @@ def main() -> None:
             print(f"{script} [{lib}]: {status}", flush=True)
         (out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
     (out / f"{NAME}.md").write_text(render(result))
+    plot(result, out / f"{NAME}.png")
     print(render(result))
 
 

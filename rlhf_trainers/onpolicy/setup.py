@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from ..compat import peft_wrap
 from ..data import PromptTokenizationStats, tokenize_prompts
 from ..distributed import copy_model
-from ..model_paths import check_model_path
+from ..model_paths import check_model_path, check_model_paths
 from ..models import (
     _is_peft_model,
     check_one_label,
@@ -38,6 +38,28 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
+
+
+def check_inputs(
+    trainer_name: str,
+    args: OnPolicyConfig,
+    train_dataset: Any,
+    paths: dict[str, Any],
+    reward_funcs: Any,
+) -> None:
+    """The trainer's arguments that can be checked before anything loads, each with one clear error:
+    a train dataset is given, every model path names something loadable, and there is a reward."""
+    if train_dataset is None:
+        raise ValueError(
+            f"{trainer_name} needs a train_dataset of prompts (a 'prompt' column of text or chat "
+            "messages, or an 'input_ids' column)."
+        )
+    check_model_paths(paths, args.model_init_kwargs)
+    if paths.get("reward_model") is None and not reward_funcs:
+        raise ValueError(
+            "No reward: pass reward_model= (a one-label sequence-classification model or its path), "
+            "reward_funcs= (f(prompts, completions, **columns) -> list[float]), or both."
+        )
 
 
 def policy_tokenizer(

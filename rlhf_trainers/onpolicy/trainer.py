@@ -46,7 +46,6 @@ from ..data import PromptCollator
 from ..display import install_display
 from ..distributed_exit import tear_down_process_group_at_exit
 from ..generation.factory import backend_summary
-from ..model_paths import check_model_paths
 from ..models import _is_peft_model
 from ..optim import TFStyleAdam
 from ..reliability import AtomicCheckpoints, reliability_callback
@@ -64,6 +63,7 @@ from .rollout import Advantages, LossNormalization, Rollout
 from .sampling import PolicySampler
 from .setup import (
     batch_plan,
+    check_inputs,
     fill_deepspeed_bucket_sizes,
     load_models,
     policy_tokenizer,
@@ -132,20 +132,10 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         args = self._checked_args(args)
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
-        if train_dataset is None:
-            raise ValueError(
-                f"{type(self).__name__} needs a train_dataset of prompts (a 'prompt' column of text or chat "
-                "messages, or an 'input_ids' column)."
-            )
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
-        check_model_paths(paths, args.model_init_kwargs)  # before anything loads: one clear error
+        check_inputs(type(self).__name__, args, train_dataset, paths, reward_funcs)  # before anything loads
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
-        if reward_model is None and not reward_funcs:
-            raise ValueError(
-                "No reward: pass reward_model= (a one-label sequence-classification model or its path), "
-                "reward_funcs= (f(prompts, completions, **columns) -> list[float]), or both."
-            )
 
         # ---- models and reward sources ----
         models = load_models(

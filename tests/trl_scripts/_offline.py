@@ -128,9 +128,11 @@ def _tldr(rng: random.Random, n: int) -> dict[str, list[Any]]:
 
 
 def _preference_pair(rng: random.Random) -> tuple[str, str, str]:
+    """A question, the right answer, and a worse one: a wrong sum or no answer at all."""
     a, b, total = _arithmetic(rng)
     wrong = total + rng.choice([-3, -2, -1, 1, 2, 3])
-    return f"What is {a} + {b}?", f"{a} + {b} = {total}.", f"{a} + {b} = {wrong}."
+    worse = rng.choice([f"{a} + {b} = {wrong}.", "I am not sure.", "I cannot help with that."])
+    return f"What is {a} + {b}?", f"{a} + {b} = {total}.", worse
 
 
 def _ultrafeedback(rng: random.Random, n: int) -> dict[str, list[Any]]:
