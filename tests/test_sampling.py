@@ -510,7 +510,7 @@ def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
     on = _trainer(kit, tmp_path / "on", peft_config=lora, mkl_prepacked_decoding=True)
     assert on.generation_backend.fast_steps is lean_llama_steps_prepacked_merged
-    assert "LoRA adapters merged" in on.batch_accounting()
+    assert "LoRA adapters merged" in on.generation_backend.name
     built = _prepacked_steps_built(monkeypatch)
     on.policy.train()  # as between updates: the rollout samples in eval mode all the same
     _seeded_rollout(on)
@@ -520,7 +520,7 @@ def test_the_trainer_merges_lora_adapters_for_decoding_unless_asked_not_to(kit, 
         kit, tmp_path / "off", peft_config=lora, merged_adapter_decoding=False, mkl_prepacked_decoding=True
     )
     assert off.generation_backend.fast_steps is lean_llama_steps_prepacked
-    assert "merged" not in off.batch_accounting()
+    assert "merged" not in off.generation_backend.name
 
 
 def test_the_trainer_decodes_on_prepacked_weights_on_intel_cpus_or_when_asked(kit, tmp_path, monkeypatch):
@@ -531,7 +531,7 @@ def test_the_trainer_decodes_on_prepacked_weights_on_intel_cpus_or_when_asked(ki
     monkeypatch.setattr(cpu_decoding, "cpu_vendor", lambda: "GenuineIntel")
     on = _trainer(kit, tmp_path / "on")
     assert on.generation_backend.fast_steps is lean_llama_steps_prepacked
-    assert "MKL-prepacked weights" in on.batch_accounting()
+    assert "MKL-prepacked weights" in on.generation_backend.name
     monkeypatch.setattr(cpu_decoding, "cpu_vendor", lambda: "AuthenticAMD")
     asked = _trainer(kit, tmp_path / "asked", mkl_prepacked_decoding=True)
     assert asked.generation_backend.fast_steps is lean_llama_steps_prepacked
@@ -542,7 +542,7 @@ def test_the_trainer_decodes_on_prepacked_weights_on_intel_cpus_or_when_asked(ki
     ):
         trainer = _trainer(kit, tmp_path / name, **extra)
         assert trainer.generation_backend.fast_steps is lean_llama_steps, name
-        assert "MKL-prepacked" not in trainer.batch_accounting(), name
+        assert "MKL-prepacked" not in trainer.generation_backend.name, name
 
 
 # ---- shared prompt pass (rows that repeat a prompt: RLOO's and GRPO's groups) -----------------------
