@@ -408,13 +408,13 @@ def test_async_tools_run_concurrently_in_call_order():
     start = time.perf_counter()
     results = box.execute(
         [
-            ToolCall("slow_add", {"a": 1, "b": 1}),
+            ToolCall("slow_add", {"a": 1, "b": 1, "delay": 0.5}),
             ToolCall("add", {"a": 2, "b": 2}),
-            ToolCall("slow_add", {"a": 3, "b": 3}),
+            ToolCall("slow_add", {"a": 3, "b": 3, "delay": 0.5}),
         ]
     )
     assert [result.content for result in results] == ["2", "4", "6"]
-    assert time.perf_counter() - start < 0.55  # two 0.3 s calls, concurrently
+    assert time.perf_counter() - start < 0.9  # two 0.5 s calls, concurrently (1 s one after the other)
 
 
 def test_async_timeouts_cancel_or_give_up_on_a_blocked_loop():
