@@ -29,9 +29,10 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def format_value(value: Any) -> str:
-    """A logged value as the display shows it: 3 significant digits for a float, as it is otherwise."""
+    """A logged value as the display shows it: 3 significant digits for a float (0 for a magnitude below
+    1e-6, float32 round-off such as the first update's KL), as it is otherwise."""
     if isinstance(value, float):
-        return f"{value:.3g}"
+        return "0" if abs(value) < 1e-6 else f"{value:.3g}"
     return str(value)
 
 

@@ -236,3 +236,13 @@ def test_in_jupyter_the_display_replaces_the_notebook_table(kit, tmp_path, monke
     trainer = _rloo(kit, tmp_path)
     kinds = [type(callback) for callback in trainer.callback_handler.callbacks]
     assert NotebookProgressCallback not in kinds and kinds.count(TrainingDisplay) == 1
+
+
+def test_values_show_three_digits_and_round_off_as_zero() -> None:
+    from rlhf_trainers.display import format_value
+
+    assert format_value(0.123456) == "0.123"
+    assert format_value(3.09) == "3.09"
+    assert format_value(-1.25e-07) == "0"  # float32 round-off of a zero KL, not a figure to read
+    assert format_value(2.5e-5) == "2.5e-05"  # a learning rate stays readable
+    assert format_value(20) == "20"
