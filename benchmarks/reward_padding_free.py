@@ -8,7 +8,8 @@ round times, on the same micro-batches, one training step per mode: ``compute_lo
 (gradients zeroed after, no optimizer step, so the model stays the same), the mode that goes first
 alternating from round to round. Reported: seconds per micro-batch step per mode (median over the rounds
 after the first, a warm-up) and the padded / packed ratio per round (median), plus the fraction of the
-padded positions that are real tokens. One process, float32 on CPU (``--threads`` threads) unless
+padded positions that are real tokens and the largest difference of the two modes' rewards on the first
+micro-batch. One process, float32 on CPU (``--threads`` threads) unless
 ``--device`` names a GPU (``--dtype bf16`` then trains in bfloat16 autocast).
 
     python benchmarks/reward_padding_free.py --sizes tiny smollm2-135m --out benchmarks/results
@@ -119,6 +120,13 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
             model.zero_grad(set_to_none=True)
         return statistics.mean(seconds)
 
+    def rewards(mode: str) -> torch.Tensor:
+        trainer.packing = packing if mode == "padding_free" else None
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            return torch.stack(trainer._rewards(model, batches[0])).float()
+
+    # the same rewards both ways (the first micro-batch), as a check of the run
+    reward_diff = float((rewards("padding_free") - rewards("padded")).abs().max())
     times: dict[str, list[float]] = {"padded": [], "padding_free": []}
     ratios = []
     for round_ in range(args.rounds):
@@ -138,6 +146,7 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
         "real_token_fraction_of_padded": real / padded_positions,
         "s_per_step_padded": statistics.median(times["padded"]),
         "s_per_step_padding_free": statistics.median(times["padding_free"]),
+        "max_abs_reward_difference_first_batch": reward_diff,
         "padded_over_packed_median": statistics.median(ratios),
         "ratios": ratios,
     }
