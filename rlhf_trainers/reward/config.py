@@ -63,6 +63,15 @@ class RewardConfig(TRLRewardFields, ReliabilityArguments, TrainingArguments):
         },
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Set every dropout probability to 0."})
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the training and evaluation passes on the real tokens of each batch only (packed, "
+            "positions restarting per sequence), each reward read at its sequence's last token: the padded "
+            "results up to float rounding. Used when the model passes a probe at construction and has a "
+            "per-token linear score head; other models and ZeRO-3 stay padded (logged). False: padded."
+        },
+    )
     dataset_num_proc: int | None = field(
         default=None, metadata={"help": "Processes for tokenizing the datasets (datasets.map num_proc)."}
     )

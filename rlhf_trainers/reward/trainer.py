@@ -40,6 +40,7 @@ from ..models import (
 from ..reliability import AtomicCheckpointMixin, check_resume_process_count, reliability_callback
 from ..rewards import Prompt, compute_reward_normalization
 from .config import RewardConfig
+from .packed import RewardPacking, gradient_checkpointing_on, packed_reward_logits, resolve_reward_packing
 
 if TYPE_CHECKING:
     import datasets
@@ -107,7 +108,8 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
     Everything else is ``transformers.Trainer``'s. Training logs ``loss``, ``accuracy``, ``margin``,
     ``mean_reward``, ``min_reward``, ``max_reward`` (over the pairs since the last log); evaluation
     the same with the ``eval_`` prefix. ``preprocessing_stats`` holds per dataset how many pairs
-    were truncated or dropped.
+    were truncated or dropped. With ``RewardConfig.padding_free`` (the default) the passes run on the
+    real tokens only where the model allows it (:attr:`packing`; docs/reward.md, "Padding-free passes").
     """
 
     def __init__(
@@ -188,6 +190,13 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         self.interrupted = False
         self._reliability = reliability_callback(self)
         self.add_callback(self._reliability)
+        #: How the training and evaluation passes are packed (``RewardConfig.padding_free``); None: padded.
+        self.packing = self._resolve_packing() if args.padding_free else None
+
+    def _resolve_packing(self) -> RewardPacking | None:
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        return resolve_reward_packing(self.model, self.args.device, dtype, zero3)
 
     # ---- data ---------------------------------------------------------------------------------
 
@@ -267,14 +276,27 @@ class RewardTrainer(AtomicCheckpointMixin, EvaluateBeforeTrainMixin, Trainer):
         """Chosen and rejected rewards (B,), float32, normalized by the stored gain and bias; one
         forward pass over the 2B sequences (chosen rows first). A pad id past the model's embedding table
         (a ``[PAD]`` token added without resizing) never reaches it
-        (:func:`~rlhf_trainers.models.pooled_scores`)."""
-        logits = pooled_scores(
-            self.model,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            self.processing_class.pad_token_id,
-            call=model,
-        )
+        (:func:`~rlhf_trainers.models.pooled_scores`). With :attr:`packing` (``padding_free``) the pass runs
+        on the real tokens only (:func:`~rlhf_trainers.reward.packed.packed_reward_logits`)."""
+        if self.packing is not None:
+            logits = packed_reward_logits(
+                self.model,
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                self.packing,
+                call=model,
+                # a recomputed forward (gradient checkpointing) runs outside the one-row attention
+                one_row=self.packing.one_row
+                and not (model.training and gradient_checkpointing_on(self.model)),
+            )
+        else:
+            logits = pooled_scores(
+                self.model,
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                self.processing_class.pad_token_id,
+                call=model,
+            )
         gain, bias = get_reward_normalization(self.model)
         rewards = logits[:, 0].float() * gain + bias
         half = rewards.shape[0] // 2
