@@ -310,3 +310,27 @@ def test_the_completion_length_limit_cuts_episodes_cleanly(kit, tmp_path):
     # every episode ends with a policy token (a tool turn is never the last thing, nor cut)
     last = (rollout.lengths - 1).clamp_min(0)
     assert torch.all(rollout.policy_mask[torch.arange(len(last)), last])
+
+
+def test_evaluation_samples_whole_episodes(kit, tmp_path):
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(
+        model=kit.load_model("llama-sft"),
+        reward_funcs=reward,
+        args=_config(tmp_path, per_device_eval_batch_size=4),
+        train_dataset=kit.prompt_dataset("train", n=16, chat=True),
+        eval_dataset=kit.prompt_dataset("test", n=8, chat=True),
+        processing_class=_tokenizer(kit),
+        tools=[add],
+    )
+    _script(trainer, [ADD_CALL, None])
+    metrics = trainer.evaluate()
+    assert "eval_objective/scores" in metrics
+    roles = [[m["role"] for m in c] for c in seen]
+    assert len(roles) == 8
+    assert sum(r[:3] == ["assistant", "tool", "assistant"] for r in roles) == 4  # the scripted half
