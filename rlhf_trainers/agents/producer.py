@@ -298,7 +298,7 @@ def tool_setup(
     :class:`Toolbox` (None without tools) and the policy's tokenizer (loaded with ``model`` when
     ``processing_class`` is None), and sets the trainer's ``prompt_chat_template_kwargs`` so the prompts are
     rendered with the tools' schemas (the engine passes them to the prompts' chat template). Raises ``ValueError`` for what multi-turn rollouts do not support
-    yet (vLLM, dynamic sampling, ``truncate_after``) and for a chat template without tool support."""
+    yet (vLLM, dynamic sampling, ``truncate_after``, several processes) and for a chat template without tool support."""
     if tools is None or (isinstance(tools, (list, tuple)) and not tools):
         return None, processing_class
     toolbox = Toolbox(tools)
@@ -306,13 +306,16 @@ def tool_setup(
         "use_vllm=True": args.use_vllm,
         "dynamic_sampling=True": args.dynamic_sampling,
         f"truncate_after={args.truncate_after}": args.truncate_after,
+        # each generation call is a collective under several processes, and episodes take different
+        # numbers of turns: the processes would wait on each other
+        f"{args.world_size} processes": args.world_size > 1,
     }
     given = [name for name, value in unsupported.items() if value]
     if given:
         raise ValueError(
             f"tools= (multi-turn tool rollouts) does not support {', '.join(given)} yet: tool episodes are "
-            "generated with the builtin loop, every turn ending at its stop token. Leave "
-            f"{' and '.join(name.split('=')[0] for name in given)} at the default."
+            "generated in one process with the builtin loop, every turn ending at its stop token. Leave "
+            "use_vllm, dynamic_sampling and truncate_after at their defaults, and train in one process."
         )
     from ..onpolicy.setup import policy_tokenizer
 
