@@ -61,7 +61,6 @@ REFUSED: dict[str, str] = {
     "'sum_then_normalize'); per-function normalization is not implemented.",
     "top_entropy_quantile": "the loss keeps every completion token; entropy-quantile masking is not implemented.",
     "use_adaptive_entropy": "adaptive entropy control is not implemented; set a fixed entropy_coeff.",
-    "max_tool_calling_iterations": "tool calling is not implemented (a multi-turn RolloutProducer is the place).",
     "vllm_importance_sampling_clip_min": "the importance ratio is bounded from above only "
     "(vllm_importance_sampling_cap).",
     "off_policy_mask_threshold": "off-policy sequence masking (DeepSeek-V3.2) is not implemented.",
@@ -421,7 +420,11 @@ class TRLGRPOFields:
         metadata=_help("TRL's adaptive entropy target; no effect (use_adaptive_entropy is refused)."),
     )
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata=_help("TRL's tool-calling turns; not supported (None only).")
+        default=None,
+        metadata=_help(
+            "GRPO with tools=: the most tool turns per episode (each runs the calls of an assistant turn and "
+            "lets the policy answer); None: no limit but max_completion_length."
+        ),
     )
     vllm_importance_sampling_clip_max: float | None = field(
         default=3.0, metadata=_help("TRL's name of vllm_importance_sampling_cap (give one of the two).")

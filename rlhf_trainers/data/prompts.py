@@ -221,6 +221,7 @@ class _PromptTokenizer:
     max_prompt_length: int | None
     vocab_size: int | None
     bos_id: int | None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         values = batch[self.column]
@@ -243,7 +244,12 @@ class _PromptTokenizer:
             _check_prompt_conversations(values, self.column, indices)
             return _chat_template_ids(
                 apply_chat_template(
-                    self.tokenizer, values, indices, tokenize=True, add_generation_prompt=True
+                    self.tokenizer,
+                    values,
+                    indices,
+                    tokenize=True,
+                    add_generation_prompt=True,
+                    **(self.chat_template_kwargs or {}),
                 )
             )
         return values
@@ -309,6 +315,7 @@ def tokenize_prompts(
     max_prompt_length: int | None = None,
     vocab_size: int | None = None,
     num_proc: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[datasets.Dataset, PromptTokenizationStats]:
     """Token ids for the prompts of a PPO/RLOO dataset in any of :data:`PROMPT_FORMATS`.
 
@@ -335,6 +342,8 @@ def tokenize_prompts(
             input embeddings), which catches prompts tokenized with another tokenizer.
         num_proc: processes for ``dataset.map`` (None: this process). An in-memory dataset with
             ``num_proc=None`` is tokenized in this process without ``map`` (no cache file to write).
+        chat_template_kwargs: more keywords of ``apply_chat_template`` for conversational prompts (e.g.
+            ``tools=``, the tools' schemas, when the policy may call tools).
 
     Returns:
         ``(tokenized, stats)``. `tokenized` has the rows of `dataset` in the same order and all its columns
@@ -358,6 +367,7 @@ def tokenize_prompts(
         max_prompt_length=max_prompt_length,
         vocab_size=vocab_size,
         bos_id=getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None,
+        chat_template_kwargs=chat_template_kwargs,
     )
     if num_proc is None and not dataset.cache_files:
         tokenized, lengths = _tokenize_in_memory(dataset, prompt_tokenizer)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..agents.producer import MultiTurnProducer, tool_setup
 from ..generation.factory import backend_summary
 from ..model_paths import check_model_paths
 from ..onpolicy.trainer import OnPolicyTrainer
@@ -62,6 +63,12 @@ class GRPOTrainer(OnPolicyTrainer):
             ``reward_funcs`` (so ``reward_weights`` list its weight first).
         cpu_options: the CPU speed switches (:class:`~rlhf_trainers.CPUOptions`, docs/cpu.md); None: their
             defaults.
+        tools: TRL's ``tools``: functions (plain or ``async``, with type hints and Google-style docstrings)
+            the policy may call. The prompts are rendered with their schemas (``tools=`` of the chat
+            template, which must support tool calling: :func:`~rlhf_trainers.agents.install_tool_chat_template`
+            gives one), and each rollout is a multi-turn episode
+            (:class:`~rlhf_trainers.agents.producer.MultiTurnProducer`, docs/agents.md) of at most
+            ``max_tool_calling_iterations`` tool turns. Builtin generation only (not ``use_vllm``).
     """
 
     _config_class = GRPOConfig
@@ -92,8 +99,10 @@ class GRPOTrainer(OnPolicyTrainer):
         reward_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         cpu_options: CPUOptions | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
     ) -> None:
         args = self._checked_args(args)
+        toolbox, processing_class = tool_setup(self, tools, args, processing_class, model)
         listed = isinstance(reward_funcs, (list, tuple))
         entries = list(reward_funcs) if listed else [reward_funcs]
         named = {
@@ -132,6 +141,8 @@ class GRPOTrainer(OnPolicyTrainer):
             data_collator=data_collator,
             cpu_options=cpu_options,
         )
+        if toolbox is not None:
+            self.producer = MultiTurnProducer(self, toolbox, args.max_tool_calling_iterations)
 
     @property
     def completions_per_prompt(self) -> int:  # type: ignore[override]

@@ -68,7 +68,7 @@ def rollout_metrics(
 ) -> dict[str, float]:
     """TRL's ``objective/*`` and ``val/*`` metrics of a rollout over all processes, the per-source scores,
     the reward errors and (DAPO) the dynamic-sampling counts."""
-    mask = rollout.response_mask
+    mask = rollout.policy_mask
     valid = rollout.valid_rows
     kl_seq = rollout.kl.sum(1)
     non_score = -kl_coef * kl_seq
@@ -205,7 +205,7 @@ def rollout_sampling_metrics(
 ) -> dict[str, float]:
     """:func:`sampling_mismatch_metrics` of a rollout whose log-probs the trainer recomputed (vLLM's are
     in ``generation_logprobs``), with its importance weights where they are applied."""
-    mask = rollout.response_mask
+    mask = rollout.policy_mask
     weights = rollout.sampling_weights
     if weights is None:
         w = None

@@ -57,7 +57,7 @@ class Objective:
         )
         if self.args.whiten_rewards:
             rewards = F.whiten(
-                rewards, rollout.response_mask, shift_mean=False, all_reduce=self.collectives.all_reduce
+                rewards, rollout.policy_mask, shift_mean=False, all_reduce=self.collectives.all_reduce
             )
         return rewards
 
@@ -116,7 +116,7 @@ class Objective:
         return F.AdvantageInputs(
             token_rewards=rewards,
             sequence_rewards=rollout.scores - kl_coef * rollout.kl.sum(1),
-            response_mask=rollout.response_mask,
+            response_mask=rollout.policy_mask,
             valid=rollout.valid_rows,
             group_size=group_size,
             config=self.args,
@@ -164,7 +164,7 @@ class Objective:
         metrics, aggregation)``: the metrics of :meth:`policy_loss_metrics`, and the aggregation keywords
         (for a value loss reduced alike)."""
         args = self.args
-        mask = rollout.response_mask[rows]
+        mask = rollout.policy_mask[rows]
         old = rollout.logprobs[rows]
         if normalization is None:
             normalization = LossNormalization.local(mask, args.response_length)

@@ -107,7 +107,7 @@ class OptimizationLoop:
         over all processes (one collective for the whole update), divided by the number of processes
         (data-parallel gradients are averaged over them)."""
         args, accelerator = self.args, self.engine.accelerator
-        mask = rollout.response_mask.cpu()
+        mask = rollout.policy_mask.cpu()
         tokens, sequences = mask.sum(1).double(), mask.any(1).double()
         size = args.local_mini_batch_size
         counts = torch.stack(
@@ -289,7 +289,7 @@ class OptimizationLoop:
                             ratio_stats=stats if first and micro == 0 else None,
                             mismatch=mismatch if first and engine.vllm_logprobs_are_old else None,
                         )
-                    mask = rollout.response_mask[on_host.to(entropy.device)]
+                    mask = rollout.policy_mask[on_host.to(entropy.device)]
                     stats["policy/entropy_avg"].append(F.masked_mean(entropy.detach(), mask))
                     if trl_names:  # TRL's entropy: the mean per token over the micro-batch on all processes
                         token_entropy = torch.where(mask, entropy.detach().float(), 0.0)
@@ -352,7 +352,7 @@ class OptimizationLoop:
         if ratio_stats is not None:
             self.check_ratio_at_start(logprobs.detach(), rollout, rows, ratio_stats)
         if mismatch is not None:
-            mask = rollout.response_mask[rows]
+            mask = rollout.policy_mask[rows]
             mismatch.append((logprobs.detach() - rollout.logprobs[rows]).float()[mask])
         loss, metrics = engine.compute_policy_loss(
             rollout,
@@ -401,7 +401,7 @@ class OptimizationLoop:
         log-probs, so the ratio must be 1 up to rounding: logged per token and per sequence, with a
         warning (once) above ``ratio_tolerance``."""
         args = self.args
-        mask = rollout.response_mask[rows]
+        mask = rollout.policy_mask[rows]
         diff = (logprobs - rollout.logprobs[rows]) * mask
         deviation = (diff.exp() - 1).abs() * mask
         worst = deviation.max() if deviation.numel() else torch.zeros((), device=logprobs.device)

@@ -182,6 +182,7 @@ class SingleTurnProducer:
             prompt_width=samples.query.shape[1],
             completion_lengths=samples.lengths.tolist(),
             trainer_state=self.engine.state,
+            conversations=samples.conversations,
         )
         errors = torch.tensor(float(self.engine.reward_sources.last_errors), device=device)
         reward_log = self.engine.reward_sources.last_log if self.engine.reward_sources.may_log else None
@@ -261,10 +262,10 @@ class SingleTurnProducer:
     def assemble(self, samples: SampledResponses, scores: Scores, passes: ForwardPasses) -> Rollout:
         """The per-token KL, the shaped scores (:meth:`shape_scores`), and the rows whose reward
         is not finite (a function returned None / NaN) masked out of the update."""
-        kl = (
-            F.kl_penalty(passes.logprobs, passes.ref_logprobs, self.engine.args.kl_estimator)
-            * samples.response_mask
-        )
+        # The tokens the policy wrote: the KL, the loss and the advantages read these only (a multi-turn
+        # producer's tool results are in the sequence, out of this mask).
+        written = samples.response_mask if samples.loss_mask is None else samples.loss_mask
+        kl = F.kl_penalty(passes.logprobs, passes.ref_logprobs, self.engine.args.kl_estimator) * written
         shaped, valid = self.shape_scores(scores.total, samples.lengths, scores.found_stop)
         args = self.engine.args
         # Tokens in the loss: the valid rows', without the truncated completions' (mask_truncated_completions).
@@ -279,7 +280,7 @@ class SingleTurnProducer:
             sampling_weights = F.truncated_importance_weights(
                 passes.logprobs,
                 samples.generation_logprobs,
-                samples.response_mask & valid[:, None],
+                written & valid[:, None],
                 args.vllm_importance_sampling_cap,
                 args.vllm_importance_sampling_mode,
             )
@@ -299,11 +300,11 @@ class SingleTurnProducer:
             found_stop=scores.found_stop,
             per_source=scores.per_source,
             reward_func_errors=scores.reward_func_errors,
-            loss_mask=samples.response_mask & in_loss[:, None],
+            loss_mask=written & in_loss[:, None],
             group_ids=torch.arange(samples.response.shape[0], device=samples.response.device)
             % (samples.response.shape[0] // self.engine.completions_per_prompt),
             dynamic_sampling=scores.dynamic_sampling,
-            reward_metrics=None if scores.reward_log is None else scores.reward_log.metrics,
+            reward_metrics=_logged_metrics(scores.reward_log, samples.extra_metrics),
             reward_columns={} if scores.reward_log is None else scores.reward_log.columns,
             prompts=samples.prompts,
             completions=scores.completions,
@@ -414,3 +415,16 @@ def _join_reward_logs(pieces: list[tuple[SampledResponses, Scores]], rows: list[
         else:
             joined.columns[name] = [value for part in parts if part is not None for value in part]
     return joined
+
+
+def _logged_metrics(
+    reward_log: RewardLog | None, extra: dict[str, list[float]] | None
+) -> dict[str, list[float]] | None:
+    """The reward functions' logged metrics with the producer's own (``SampledResponses.extra_metrics``);
+    None when there are neither."""
+    if extra is None:
+        return None if reward_log is None else reward_log.metrics
+    merged = {} if reward_log is None else dict(reward_log.metrics)
+    for name, values in extra.items():
+        merged.setdefault(name, []).extend(values)
+    return merged

@@ -45,6 +45,15 @@ class SampledResponses:
     token, padding not masked); None unless asked for."""
     generation_entropy: torch.Tensor | None = None
     """(N, R) float32 entropy of each sampling step's distribution; None unless asked for."""
+    loss_mask: torch.Tensor | None = None
+    """(N, R) bool, the response tokens the policy wrote (a multi-turn producer's: not the tool results it
+    inserted); None: all of ``response_mask``."""
+    conversations: list[list[dict[str, Any]]] | None = None
+    """N conversations of the completion (assistant and tool messages, TRL's ``completions`` of a tool
+    run), given to the reward functions instead of the decoded text; None for single-turn samples."""
+    extra_metrics: dict[str, list[float]] | None = None
+    """Values a producer logs beside the update's metrics (e.g. ``tools/call_frequency``), by name; each
+    is logged as its mean over all processes."""
 
 
 @dataclass
@@ -187,6 +196,14 @@ class Rollout:
     (:func:`~rlhf_trainers.functional.truncated_importance_weights`), (N, R) for the token modes of
     ``vllm_importance_sampling_mode``, (N, 1) for the sequence modes; None unless ``use_vllm`` with
     ``vllm_importance_sampling_correction``."""
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """(N, R) bool, the tokens the policy wrote that take part in the update: :attr:`loss_mask`, or
+        :attr:`response_mask` when no producer set one. The policy loss, the KL (term and penalty), the
+        entropy and the advantages read it; tokens a producer inserted (a tool's result) are in
+        ``response_mask`` (the sequence the forward passes read) but not in it."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
 
 @dataclass

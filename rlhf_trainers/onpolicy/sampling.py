@@ -112,7 +112,13 @@ class PolicySampler:
 
     @torch.no_grad()
     def generate(
-        self, query: torch.Tensor, query_mask: torch.Tensor, with_logprobs: bool = False
+        self,
+        query: torch.Tensor,
+        query_mask: torch.Tensor,
+        with_logprobs: bool = False,
+        *,
+        max_new_tokens: int | None = None,
+        stop_ids: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """Sample (B, response_length) response ids from ``softmax(logits / temperature)`` with the
         :attr:`generation_backend`; rows end at a stop token only when generation may stop there (else
@@ -120,14 +126,18 @@ class PolicySampler:
 
         With ``with_logprobs`` also ``{"logprobs", "entropy"}`` (B, response_length) float32: the sampled
         tokens' log-probabilities and the entropy of each step's distribution, as the generation computed
-        them (its own logits / temperature, in the generation's precision; 0 after a stop token)."""
+        them (its own logits / temperature, in the generation's precision; 0 after a stop token).
+
+        A multi-turn producer gives ``max_new_tokens`` (what is left of ``response_length``; None: all of
+        it) and ``stop_ids`` (the stop tokens and the end of an assistant turn; None: :attr:`stop_ids`)."""
         args = self.engine.args
-        stop_in_generation = self.stop_ids and args.truncate_after == 0
+        stops = self.stop_ids if stop_ids is None else stop_ids
+        stop_in_generation = stops and args.truncate_after == 0
         settings = SamplingSettings(
-            max_new_tokens=args.response_length,
+            max_new_tokens=args.response_length if max_new_tokens is None else max_new_tokens,
             pad_token_id=self.engine.processing_class.pad_token_id,
             temperature=args.temperature,
-            stop_token_ids=tuple(self.stop_ids) if stop_in_generation else (),
+            stop_token_ids=tuple(stops) if stop_in_generation else (),
             return_logprobs=with_logprobs,
             top_k=args.top_k,
             top_p=args.top_p,

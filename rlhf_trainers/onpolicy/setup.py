@@ -281,6 +281,7 @@ def tokenize(
     vocab_size: int,
     name: str,
     stats: dict[str, PromptTokenizationStats],
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> datasets.Dataset:
     """``dataset``'s prompts tokenized (chat template, ``max_prompt_length`` from the left), with its
     statistics stored in ``stats[name]`` and a warning when prompts were truncated."""
@@ -290,6 +291,7 @@ def tokenize(
         max_prompt_length=args.max_prompt_length,
         vocab_size=vocab_size,
         num_proc=args.dataset_num_proc,
+        chat_template_kwargs=chat_template_kwargs,
     )
     if stats[name].num_truncated:
         logger.warning(
@@ -315,15 +317,17 @@ def prepare_prompts(
     reward_model_reads_ids: bool,
     value_model_given: bool,
     stats: dict[str, PromptTokenizationStats],
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """Tokenize the prompt datasets (the main process first, so the others read its cache) and check
     the models against them (:func:`~rlhf_trainers.models.check_onpolicy_models`)."""
     from accelerate import PartialState
 
     with PartialState().main_process_first():
-        train_dataset = tokenize(train_dataset, tokenizer, args, models.vocab, "train", stats)
+        kwargs = chat_template_kwargs
+        train_dataset = tokenize(train_dataset, tokenizer, args, models.vocab, "train", stats, kwargs)
         if eval_dataset is not None:
-            eval_dataset = tokenize(eval_dataset, tokenizer, args, models.vocab, "eval", stats)
+            eval_dataset = tokenize(eval_dataset, tokenizer, args, models.vocab, "eval", stats, kwargs)
     check_onpolicy_models(
         models.policy,
         tokenizer,

@@ -166,6 +166,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             reward_model_reads_ids=self.reward_sources.same_tokenizer,
             value_model_given=value_model is not None,
             stats=self.preprocessing_stats,
+            chat_template_kwargs=getattr(self, "prompt_chat_template_kwargs", None),  # GRPO's tools=
         )
         super().__init__(
             model=PolicyAndValue(models.policy, models.value_model),

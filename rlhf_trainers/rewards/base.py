@@ -115,6 +115,10 @@ class RewardBatch:
     trainer_state: Any = None
     #: Where the reward functions' ``log_metric`` and ``log_extra`` calls go (one log per batch).
     log: RewardLog = field(default_factory=RewardLog)
+    #: For a multi-turn rollout with conversational prompts, each completion as its messages (the
+    #: assistant turns with their tool calls, and the tool results), what reward functions receive as
+    #: ``completions`` (TRL's convention for tool runs); None: one assistant message of the decoded text.
+    conversations: Sequence[list[dict[str, Any]]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -127,9 +131,12 @@ class RewardBatch:
 
     def function_completions(self) -> list[Any]:
         """The completions as reward functions receive them, in TRL's convention: for conversational
-        prompts each completion as a one-message list ``[{"role": "assistant", "content": text}]``,
+        prompts each completion as a one-message list ``[{"role": "assistant", "content": text}]`` (a
+        multi-turn rollout's: its :attr:`conversations`),
         otherwise the decoded strings."""
         if self.is_conversational:
+            if self.conversations is not None:
+                return [list(messages) for messages in self.conversations]
             return [[{"role": "assistant", "content": text}] for text in self.completions]
         return list(self.completions)
 

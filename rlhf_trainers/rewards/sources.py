@@ -290,6 +290,7 @@ class RewardSources:
         prompt_width: int | None = None,
         completion_lengths: Sequence[int] | torch.Tensor | None = None,
         trainer_state: Any = None,
+        conversations: Sequence[list[dict[str, Any]]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score a rollout batch with every source.
 
@@ -308,6 +309,8 @@ class RewardSources:
             completion_lengths: B response lengths in tokens (the stop token included), which cut the
                 reward functions' ``completion_ids``; None: each row's trailing pad ids are cut instead.
             trainer_state: the reward functions' ``trainer_state`` (the trainer's ``TrainerState``).
+            conversations: a multi-turn rollout's completions as messages (assistant turns and tool
+                results), which reward functions receive as ``completions`` for conversational prompts.
 
         Returns:
             ``(total, per_source)``: ``per_source[name]`` a float32 (B,) CPU tensor per source (in the
@@ -344,6 +347,7 @@ class RewardSources:
             completion_lengths=completion_lengths,
             trainer_state=trainer_state,
             log=log,
+            conversations=None if conversations is None else list(conversations),
         )
         self.last_log = log
         for source in self.sources:

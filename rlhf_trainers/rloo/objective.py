@@ -31,7 +31,7 @@ class RLOOObjective(Objective):
         importance weights against the generation's log-probs (``truncated_is_cap``)."""
         args = self.args
         k = args.rloo_k
-        mask = rollout.response_mask
+        mask = rollout.policy_mask
         valid = rollout.valid_rows
         if args.token_level_kl:
             to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
@@ -59,7 +59,7 @@ class RLOOObjective(Objective):
         (the ratio the blog prints), per token for the token-level one; else vLLM's sampling weights in
         the loss's shape; None without either."""
         args = self.args
-        mask = rollout.response_mask
+        mask = rollout.policy_mask
         if args.truncated_is_cap is not None:
             difference = (rollout.logprobs - rollout.generation_logprobs) * mask
             if not args.token_level_kl:
@@ -103,7 +103,7 @@ class RLOOObjective(Objective):
                 rollout, advantages.advantages[rows], rows, logprobs, normalization, weights, entropy
             )
             return loss, metrics
-        mask = rollout.response_mask[rows]
+        mask = rollout.policy_mask[rows]
         old = rollout.logprobs[rows]
         sequences = normalization.sequences if normalization is not None else mask.any(1).sum().float()
         kl_loss = self.kl_loss(rollout, rows, logprobs)
@@ -178,7 +178,7 @@ class RLOOObjective(Objective):
         if self.args.uses_reference_model:
             metrics["kl"] = float(sums[5] / sums[6].clamp_min(1))
         if advantages.importance_weights is not None:
-            mask = rollout.response_mask
+            mask = rollout.policy_mask
             ratios = ((rollout.logprobs - rollout.generation_logprobs) * mask).sum(1).exp()[valid]
             stats = torch.stack(
                 [
