@@ -168,12 +168,9 @@ def sample_with_kv_cache(
     drop_finished_rows: bool = True,
 ) -> Samples:
     """The loop itself (the model as it is, no context): ``n <= max_new_tokens`` columns, fewer when every
-    row stopped early.
-
-    ``model`` is a causal LM (a ``transformers`` model or a PEFT model around one) whose forward accepts
-    ``attention_mask``, ``position_ids``, a KV cache (``cache``, or ``past_key_values`` in transformers
-    releases before the rename: :func:`~rlhf_trainers.compat.cache_keyword`), ``use_cache`` and
-    ``logits_to_keep``;
+    row stopped early. ``model`` is a causal LM (or a PEFT model around one) whose forward accepts ``attention_mask``,
+    ``position_ids``, a KV cache (:func:`~rlhf_trainers.compat.cache_keyword`: ``cache``, or
+    ``past_key_values`` before transformers renamed it), ``use_cache`` and ``logits_to_keep``;
     ``input_ids`` and ``attention_mask`` (B, T) hold left-padded prompts. A ``settings.pad_token_id`` past
     the model's embedding table never reaches it: the model reads 0 at the prompt's padding and after a
     row's stop token (:func:`rlhf_trainers.models.readable_ids`); the returned tokens hold the pad id.
