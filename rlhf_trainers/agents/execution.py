@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..background_loop import BackgroundLoop
 from .tools import ToolResult, error_content, exception_message, timed, tool_content
 
 __all__ = ["run_async_calls", "run_sync_call"]
@@ -80,35 +80,8 @@ def run_sync_call(
     return _returned(name, outcome["value"], start), 0
 
 
-class _ToolLoop:
-    """The event loop (on a daemon thread) that runs ``async`` tools; re-created after a fork, or when a
-    tool blocked it past its timeout."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pid = -1
-
-    def get(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None or self._pid != os.getpid() or self._loop.is_closed():
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(
-                    target=loop.run_forever, name="rlhf-trainers-async-tools", daemon=True
-                )
-                thread.start()
-                self._loop, self._pid = loop, os.getpid()
-            return self._loop
-
-    def discard(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Stop using ``loop`` (blocked by a tool): it stops once the tool returns control to it."""
-        with self._lock:
-            if self._loop is loop:
-                self._loop = None
-        loop.call_soon_threadsafe(loop.stop)
-
-
-_LOOP = _ToolLoop()
+#: The event loop (a daemon thread) of the async tools; replaced when a tool blocks it past its timeout.
+_LOOP = BackgroundLoop("rlhf-trainers-async-tools")
 
 
 async def _run_one(

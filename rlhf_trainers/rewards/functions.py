@@ -10,13 +10,12 @@ import functools
 import inspect
 import logging
 import math
-import os
-import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ..background_loop import BackgroundLoop
 from .base import RewardBatch, RewardLog
 
 logger = logging.getLogger(__name__)
@@ -63,29 +62,8 @@ def is_async_reward_func(func: Any) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call)
 
 
-class _Loop:
-    """One event loop, on a daemon thread, that runs every async reward function of the process (so a
-    client bound to a loop, e.g. an HTTP session created at the first call, keeps working across calls, and
-    scoring works where the calling thread already runs a loop, as in Jupyter). Restarted after a fork."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pid = -1
-
-    def get(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None or self._pid != os.getpid() or self._loop.is_closed():
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(
-                    target=loop.run_forever, name="rlhf-trainers-reward-functions", daemon=True
-                )
-                thread.start()
-                self._loop, self._pid = loop, os.getpid()
-            return self._loop
-
-
-_LOOP = _Loop()
+#: The event loop (a daemon thread) of every async reward function of the process.
+_LOOP = BackgroundLoop("rlhf-trainers-reward-functions")
 
 
 def run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
