@@ -88,7 +88,7 @@ class MultiTurnProducer(SingleTurnProducer):
         if not self.stop_ids:
             raise ValueError(
                 "tools need a token that ends an assistant turn, but the tokenizer has no EOS token and no "
-                "stop_token_id is set; set stop_token_id='eos' with a tokenizer that has an eos_token."
+                "stop_token_id is set; set stop_token='eos' with a tokenizer that has an eos_token."
             )
 
     # ---- sampling ----------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def tool_setup(
     yet (vLLM, dynamic sampling, ``truncate_after``, several processes) and for a chat template without tool support."""
     if tools is None or (isinstance(tools, (list, tuple)) and not tools):
         return None, processing_class
-    toolbox = Toolbox(tools)
+    toolbox = Toolbox(tools, timeout=args.tool_timeout)
     unsupported = {
         "use_vllm=True": args.use_vllm,
         "dynamic_sampling=True": args.dynamic_sampling,
