@@ -334,3 +334,22 @@ def test_evaluation_samples_whole_episodes(kit, tmp_path):
     roles = [[m["role"] for m in c] for c in seen]
     assert len(roles) == 8
     assert sum(r[:3] == ["assistant", "tool", "assistant"] for r in roles) == 4  # the scripted half
+
+
+def test_trls_length_metrics_count_the_policys_tokens_only(kit, tmp_path):
+    """As TRL documents: with tools, ``completions/*_length`` and ``num_tokens`` count the tokens the policy
+    wrote, not the tool turns."""
+    trainer = _trainer(kit, tmp_path)
+    _script(trainer, [ADD_CALL, ADD_CALL, None, None])
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
+    tool = _tool_positions(rollout)
+    assert tool.any()
+    written = rollout.lengths - tool.sum(1)
+    assert torch.equal(rollout.inserted_tokens, tool.sum(1))
+    metrics = trainer.rollout_metrics(
+        rollout, trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
+    )
+    assert metrics["completions/mean_length"] == pytest.approx(float(written.float().mean()))
+    assert metrics["completions/max_length"] == float(written.max())
+    prompt_tokens = int(rollout.query_mask.sum())
+    assert trainer.state.num_input_tokens_seen == prompt_tokens + int(written.sum())

@@ -530,7 +530,9 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             trl, tokens = trl_sample_metrics(
                 rollout.raw_scores,
                 rollout.per_source,
-                rollout.lengths,
+                rollout.lengths
+                if rollout.inserted_tokens is None
+                else rollout.lengths - rollout.inserted_tokens,
                 rollout.found_stop,
                 rollout.query_mask.sum(1),
                 self.collectives,
