@@ -97,8 +97,10 @@ def _script(trainer, calls: list[str | None], every_turn: bool = False) -> None:
     real = trainer.sampler.generate
     R = trainer.args.response_length
 
-    def generate(query, query_mask, with_logprobs=False, *, max_new_tokens=None, stop_ids=None):
-        out, extras = real(query, query_mask, with_logprobs, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    def generate(query, query_mask, with_logprobs=False, *, max_new_tokens=None, stop_ids=None, **limits):
+        out, extras = real(
+            query, query_mask, with_logprobs, max_new_tokens=max_new_tokens, stop_ids=stop_ids, **limits
+        )
         first = max_new_tokens in (None, R)
         if not (first or every_turn):
             return out, extras
