@@ -336,3 +336,14 @@ def test_evaluation_samples_whole_episodes(kit, tmp_path):
     roles = [[m["role"] for m in c] for c in seen]
     assert len(roles) == 8
     assert sum(r[:3] == ["assistant", "tool", "assistant"] for r in roles) == 4  # the scripted half
+
+
+def test_row_limits_outside_the_calls_limit_are_refused():
+    """A multi-turn producer gives each row its room (``row_max_new_tokens``); one outside 1..max_new_tokens
+    is a caller's bug, refused when the settings are built."""
+    from rlhf_trainers.generation import SamplingSettings
+
+    assert SamplingSettings(max_new_tokens=8, pad_token_id=0, row_max_new_tokens=(1, 8)).row_max_new_tokens
+    for limits in [(0, 8), (9,)]:
+        with pytest.raises(ValueError, match=r"row_max_new_tokens=.*between 1 and max_new_tokens=8"):
+            SamplingSettings(max_new_tokens=8, pad_token_id=0, row_max_new_tokens=limits)
