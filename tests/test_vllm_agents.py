@@ -154,6 +154,20 @@ def test_grpo_multi_turn_with_vllm_trains_on_the_kit(kit, tmp_path):
     assert all(r["max_new_tokens"] < trainer.args.response_length for r in record[1::2])
 
 
+def test_vllms_logprobs_as_the_old_ones_leave_the_tool_tokens_out(kit, tmp_path):
+    """rollout_logprobs='generation': the episode's old log-probs are vLLM's, 0 at tool tokens; the ratio
+    at the start of the update and the mismatch metrics (the first mini-batch's training pass against
+    them) read the policy's tokens only, so they stay at fp32 rounding."""
+    trainer = _trainer(kit, tmp_path, rollout_logprobs="generation")
+    assert trainer.vllm_logprobs_are_old
+    _script(trainer, [ADD_CALL, ADD_CALL, None, None])
+    trainer.train()
+    (logged,) = [h for h in trainer.state.log_history if "tools/call_frequency" in h]
+    assert logged["tools/call_frequency"] == pytest.approx(0.5)
+    assert 0 < logged["sampling/sampling_logp_difference/max"] < 1e-3
+    assert logged["policy/ratio_at_start"] < 1e-3
+
+
 def test_tool_tokens_carry_no_gradient_kl_advantage_nor_importance_weight(kit, tmp_path):
     """The tool turns are in the sequence but out of everything the loss reads: KL 0, gradient 0,
     perturbing their old/reference log-probs changes neither loss nor advantages, and vLLM's truncated

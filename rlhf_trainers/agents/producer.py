@@ -7,7 +7,8 @@ a response is made: the policy writes an assistant turn (up to a stop token: the
 the template's end of an assistant turn), the tool calls in it run (:class:`~rlhf_trainers.agents.Toolbox`),
 the tool turn the chat template renders for their results (with the next assistant header) is appended
 to the response, and the policy goes on, until a turn calls no tool, ``max_tool_calling_iterations``
-tool turns were run, or ``response_length`` (``max_completion_length``) response tokens are spent.
+tool turns were run, or ``response_length`` (``max_completion_length``) response tokens are spent (or,
+with vLLM, the engine's context is full: :meth:`MultiTurnProducer.room`).
 
 The response of a row is the whole episode after the prompt; ``SampledResponses.loss_mask`` marks the
 tokens the policy wrote, so the inserted tool turns are in the sequence every forward pass reads but
