@@ -335,3 +335,44 @@ def test_episodes_that_outgrow_the_engines_context_end_cleanly(kit, tmp_path):
     last = (rollout.lengths - 1).clamp_min(0)
     assert torch.all(rollout.policy_mask[torch.arange(len(last)), last])
     assert torch.isfinite(rollout.scores).all()
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
+def test_ppo_and_rloo_multi_turn_with_vllm_train_on_the_kit(kit, tmp_path, algorithm):
+    """PPO (with its critic) and RLOO train on tool episodes sampled by vLLM: the tool metrics are TRL's,
+    the reward is exactly the calling rows', and the policy (PPO: and the critic) moves."""
+    from rlhf_trainers import PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+
+    def reward(prompts, completions, **kwargs):
+        return [float(any(m.get("role") == "tool" and m["content"] == "5" for m in c)) for c in completions]
+
+    trainer_cls, config_cls = (PPOTrainer, PPOConfig) if algorithm == "ppo" else (RLOOTrainer, RLOOConfig)
+    fields = {
+        "output_dir": str(tmp_path / "out"), "use_vllm": True, "per_device_train_batch_size": 8,
+        "num_mini_batches": 1, "num_ppo_epochs": 1, "response_length": 120, "max_prompt_length": 48,
+        "temperature": 1.0, "learning_rate": 1e-3, "max_steps": 2, "logging_steps": 1, "save_strategy": "no",
+        "report_to": "none", "use_cpu": True, "seed": 0, "num_sample_generations": 0, "disable_tqdm": True,
+    }  # fmt: skip
+    if algorithm == "rloo":
+        fields["rloo_k"] = 4
+    trainer = trainer_cls(
+        model=kit.load_model(POLICY),
+        reward_funcs=reward,
+        args=config_cls(**fields),
+        train_dataset=kit.prompt_dataset("train", n=32, chat=True),
+        processing_class=_tokenizer(kit),
+        tools=[add],
+    )
+    assert isinstance(trainer.producer, MultiTurnProducer)
+    _script(trainer, [ADD_CALL, ADD_CALL, None, None])
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "tools/call_frequency" in h]
+    assert len(logged) == 2
+    for h in logged:
+        assert h["tools/call_frequency"] == pytest.approx(0.5)
+        assert h["objective/scores"] == pytest.approx(0.5)
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert any(n.startswith("policy.") for n in changed)
+    if algorithm == "ppo":
+        assert any(n.startswith("value_model.") for n in changed)
