@@ -194,6 +194,31 @@ def test_logprobs_follow_rollout_logprobs(kit, tmp_path):
         generation.producer.produce(0, defaultdict(float))
 
 
+def test_rloo_importance_sampling_reads_the_returned_logprobs(kit, tmp_path):
+    def rollout_func(prompts, trainer):
+        out = _sampled(prompts, trainer)
+        out["logprobs"] = [[-0.25] * len(c) for c in out["completion_ids"]]
+        return out
+
+    trainer = RLOOTrainer(
+        model=kit.load_model("llama-sft"),
+        reward_funcs=_length_reward,
+        args=_config(tmp_path, RLOOConfig, num_generations=2, truncated_is_cap=2.0),
+        train_dataset=kit.prompt_dataset("train", n=16),
+        processing_class=kit.load_tokenizer(),
+        rollout_func=rollout_func,
+    )
+    rollout = trainer.producer.produce(0, defaultdict(float))
+    assert (rollout.generation_logprobs[rollout.response_mask] == -0.25).all()
+    assert not (rollout.logprobs[rollout.response_mask] == -0.25).any()  # 'auto': recomputed
+    trainer.producer.rollout_func = lambda prompts, trainer: {
+        **rollout_func(prompts, trainer),
+        "logprobs": None,
+    }
+    with pytest.raises(ValueError, match=r"truncated importance sampling.*returned logprobs=None"):
+        trainer.producer.produce(0, defaultdict(float))
+
+
 # ---- bad returns --------------------------------------------------------------------------------------
 
 
