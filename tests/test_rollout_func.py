@@ -275,7 +275,12 @@ def test_wrong_returns_are_refused_in_training(kit, tmp_path):
         ValueError, match=r"4 entries in 'prompt_ids' for the 8 prompts it was given, each prompt 4"
     ):
         trainer.train()
-    read_rollout(_good(), 8, max_completion_length=12, vocab_size=1000)  # the well-formed one passes
+    got = read_rollout(_good(), 8, max_completion_length=12, vocab_size=1000)  # the well-formed one passes
+    assert got.completion_ids == [[7, 7, 7]] * 8 and got.env_mask is None and got.extra == {}
+    arrays = {key: torch.tensor(value) for key, value in _good().items()}  # tensors (or numpy arrays)
+    arrays["shared"] = "one value"
+    got = read_rollout(arrays, 8, max_completion_length=12, vocab_size=1000)
+    assert got.prompt_ids == [[5, 6]] * 8 and got.extra == {"shared": ["one value"] * 8}
 
 
 def test_rollout_func_is_checked_at_construction(kit, tmp_path):

@@ -21,6 +21,7 @@ passes and the update are the single-turn producer's.
 from __future__ import annotations
 
 import copy
+import numbers
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -129,7 +130,8 @@ def read_rollout(
         if len(ids) > max_completion_length:
             raise ValueError(
                 f"rollout_func returned completion_ids[{i}] of {len(ids)} tokens, more than "
-                f"max_completion_length={max_completion_length} (the trainer's response columns). Generate at "
+                f"max_completion_length={max_completion_length} (response_length: the trainer's response columns). "
+                "Generate at "
                 "most max_completion_length tokens (e.g. max_new_tokens / max_tokens = "
                 "trainer.args.max_completion_length; an episode's inserted tokens count too), or raise "
                 "max_completion_length."
@@ -174,7 +176,7 @@ def _count_message(key: str, got: int, n: int, copies: int) -> str:
 
 def _rows(output: Mapping[str, Any], key: str, n: int, copies: int) -> list[Any]:
     value = output[key]
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":  # arrays: their rows
         value = value.tolist()
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         raise TypeError(
@@ -187,7 +189,7 @@ def _rows(output: Mapping[str, Any], key: str, n: int, copies: int) -> list[Any]
 
 
 def _sequence(row: Any, key: str, i: int) -> list[Any]:
-    if isinstance(row, torch.Tensor):
+    if isinstance(row, torch.Tensor) or type(row).__module__ == "numpy":
         row = row.tolist()
     if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
         raise TypeError(
@@ -198,7 +200,7 @@ def _sequence(row: Any, key: str, i: int) -> list[Any]:
 
 def _ids(row: Any, key: str, i: int, vocab_size: int) -> list[int]:
     values = _sequence(row, key, i)
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
     if bad:
         raise TypeError(
             f"rollout_func returned {key}[{i}] with non-integer ids (e.g. {bad[0]!r}); give token ids."
@@ -209,7 +211,7 @@ def _ids(row: Any, key: str, i: int, vocab_size: int) -> list[int]:
             f"rollout_func returned {key}[{i}] with the id {outside[0]}, outside the policy's vocabulary "
             f"(0..{vocab_size - 1}); tokenize with the trainer's processing_class."
         )
-    return values
+    return [int(v) for v in values]
 
 
 def _floats(row: Any, i: int, length: int) -> list[float]:
