@@ -211,6 +211,16 @@ def test_rloo_importance_sampling_reads_the_returned_logprobs(kit, tmp_path):
     rollout = trainer.producer.produce(0, defaultdict(float))
     assert (rollout.generation_logprobs[rollout.response_mask] == -0.25).all()
     assert not (rollout.logprobs[rollout.response_mask] == -0.25).any()  # 'auto': recomputed
+
+    def unknown_first(prompts, trainer):  # vLLM's None: a token it could not score
+        out = rollout_func(prompts, trainer)
+        out["logprobs"] = [[None, *row[1:]] for row in out["logprobs"]]
+        return out
+
+    trainer.producer.rollout_func = unknown_first
+    rollout = trainer.producer.produce(0, defaultdict(float))
+    assert torch.equal(rollout.generation_logprobs[:, 0], rollout.logprobs[:, 0])  # ratio 1 there
+    assert (rollout.generation_logprobs[:, 1:][rollout.response_mask[:, 1:]] == -0.25).all()
     trainer.producer.rollout_func = lambda prompts, trainer: {
         **rollout_func(prompts, trainer),
         "logprobs": None,
