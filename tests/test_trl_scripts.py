@@ -3,8 +3,8 @@
 Each script of ``tests/trl_scripts/`` is written as TRL's documentation writes it (the GRPO quick start
 with conversational prompts, several weighted reward functions with an extra column, ``None`` rewards,
 async reward functions, LoRA, RLOO with TRL 1.x's names, reward modeling on standard, implicit-prompt
-and conversational preferences, a callback with an evaluation dataset), importing ``rlhf_trainers``
-where TRL's imports ``trl``. Here each runs on the offline kit's SFT model in a subprocess, exactly as a
+and conversational preferences, a callback with an evaluation dataset, a custom ``rollout_func``),
+importing ``rlhf_trainers`` where TRL's imports ``trl``. Here each runs on the offline kit's SFT model in a subprocess, exactly as a
 user runs it (``python script.py``), and the test checks what a TRL user reads: the number of optimizer
 steps, TRL's logged keys, the final ``train_runtime``/``train_loss`` entry and the script's own
 output. ``benchmarks/trl_scripts_real.py`` runs the same scripts on SmolLM2-135M-Instruct with TRL 1.16
@@ -40,7 +40,7 @@ ALL = sorted(p.stem for p in SCRIPTS.glob("*.py") if not p.name.startswith(("_",
 
 def test_every_script_differs_from_trl_by_its_imports_only() -> None:
     """``run_script.py --trl`` (the benchmark's TRL side) changes the import lines and nothing else."""
-    assert len(ALL) >= 11, ALL  # the glob found the scripts
+    assert len(ALL) >= 12, ALL  # the glob found the scripts
     for name in ALL:
         text = (SCRIPTS / f"{name}.py").read_text()
         changed = [
@@ -105,6 +105,7 @@ def test_grpo_and_rloo_scripts(name: str, kit_model: str, tmp_path: Path) -> Non
         "grpo_none_rewards": ["coding_reward_func", "math_reward_func"],
         "grpo_async_rewards": ["async_reward_func", "async_unique_chars", "reward_func"],
         "grpo_lora": ["reward_func"],
+        "grpo_rollout_func": ["reward_from_env"],
     }[name]
     assert funcs == expected, funcs
     if name == "grpo_reward_weights":
@@ -115,6 +116,9 @@ def test_grpo_and_rloo_scripts(name: str, kit_model: str, tmp_path: Path) -> Non
         assert all(
             entry["rewards/async_reward_func/mean"] == 1.0 for entry in logs
         )  # awaited, not a coroutine
+    if name == "grpo_rollout_func":  # TRL's call: 2 prompts x num_generations=4, each prompt 4 times
+        assert record["metrics"] == {"prompts_per_call": [8, 8]}, record["metrics"]
+        assert all(-1.0 <= entry["rewards/reward_from_env/mean"] <= 0.0 for entry in logs)  # env_reward's
     if name == "rloo_trl_names":  # TRL 1.x's steps: one optimizer step per generation of 8 completions
         assert [e["episode"] for e in logs] == [8, 16]
     if name == "grpo_callback_eval":

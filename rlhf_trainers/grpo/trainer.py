@@ -69,6 +69,12 @@ class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
             gives one), and each rollout is a multi-turn episode
             (:class:`~rlhf_trainers.agents.producer.MultiTurnProducer`, docs/agents.md) of at most
             ``max_tool_calling_iterations`` tool turns, each call limited to ``tool_timeout`` seconds.
+        rollout_func: TRL's ``rollout_func(prompts, trainer) -> dict``: makes the completions instead of
+            the builtin sampler. It gets this process's prompts (each ``num_generations`` times in a row,
+            no chat template applied) and returns ``prompt_ids``, ``completion_ids`` and ``logprobs``
+            (None allowed), one entry per prompt, optionally ``env_mask`` (1 at the policy's tokens) and
+            fields forwarded to the reward functions
+            (:class:`~rlhf_trainers.agents.user_rollouts.UserRolloutProducer`, docs/agents.md).
     """
 
     _config_class = GRPOConfig
@@ -100,6 +106,7 @@ class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         cpu_options: CPUOptions | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        rollout_func: Callable[[list[Any], Any], Any] | None = None,
     ) -> None:
         args = self._checked_args(args)
         listed = isinstance(reward_funcs, (list, tuple))
@@ -140,6 +147,7 @@ class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
             data_collator=data_collator,
             cpu_options=cpu_options,
             tools=tools,
+            rollout_func=rollout_func,
         )
 
     @property

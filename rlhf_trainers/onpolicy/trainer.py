@@ -129,12 +129,14 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         value_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         cpu_options: CPUOptions | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        rollout_func: Callable[[list[Any], Any], Any] | None = None,
     ) -> None:
         args = self._checked_args(args)
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         check_inputs(type(self).__name__, args, train_dataset, paths, reward_funcs)  # before anything loads
+        self.setup_rollout_func(rollout_func, tools, args)
         processing_class = self.setup_tools(tools, args, processing_class, model)
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
@@ -234,6 +236,14 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
                 f"{type(self).__name__} takes no tools=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
             )
         return processing_class
+
+    def setup_rollout_func(self, rollout_func: Callable[..., Any] | None, tools: Any, args: Any) -> None:
+        """Check ``rollout_func=`` before the models load. The engine alone takes none
+        (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
+        if rollout_func is not None:
+            raise ValueError(
+                f"{type(self).__name__} takes no rollout_func=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
+            )
 
     def make_producer(self) -> RolloutProducer:
         """The rollout producer of this run (the seam where multi-turn rollouts plug in): one turn per row."""

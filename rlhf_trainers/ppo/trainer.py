@@ -106,6 +106,11 @@ class PPOTrainer(AgentRollouts, OnPolicyTrainer):
             TRL's ``GRPOTrainer(tools=)``: each rollout is a multi-turn episode (docs/agents.md); the tool
             turns are in the sequence the policy and the critic read, but out of the loss, the KL, the
             advantages and the value loss. ``max_tool_calling_iterations`` and ``tool_timeout`` bound it.
+        rollout_func: TRL's ``GRPOTrainer(rollout_func=)``, ``f(prompts, trainer) -> dict`` with
+            ``prompt_ids``, ``completion_ids``, ``logprobs`` (and optionally ``env_mask`` and fields for the
+            reward functions), one entry per prompt it gets: the function makes the completions
+            (:class:`~rlhf_trainers.agents.user_rollouts.UserRolloutProducer`, docs/agents.md); ``env_mask``
+            0 tokens are out of the loss, the KL, the advantages and the value loss.
     """
 
     _config_class = PPOConfig

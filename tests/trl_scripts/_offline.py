@@ -3,7 +3,7 @@
 The scripts of this folder are TRL 1.16's documentation examples with two kinds of change: the
 ``from trl ...`` imports read ``from rlhf_trainers ...`` (``run_script.py --trl`` turns them back, and
 nothing else), and the Hub model id and ``load_dataset("trl-lib/...")`` come from here, since this machine
-has no Hub. The datasets have the columns and formats of TRL's datasets of the same name (conversational
+has no Hub (and :func:`generate`, where TRL's ``rollout_func`` example asks a vLLM server). The datasets have the columns and formats of TRL's datasets of the same name (conversational
 prompts, a ``solution`` column, implicit-prompt preferences, ...), filled with small arithmetic and
 writing tasks a 135M-parameter model can learn from within a few steps.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import datasets
 
-__all__ = ["MODEL", "load_dataset", "output_dir", "size"]
+__all__ = ["MODEL", "generate", "load_dataset", "output_dir", "size"]
 
 MODEL: str = os.environ.get("TRL_SCRIPTS_MODEL", "")
 if not MODEL:
@@ -200,3 +200,52 @@ def load_dataset(name: str, split: str = "train") -> datasets.Dataset:
         raise ValueError(f"split={split!r}: must be 'train' or 'test'")
     rng = random.Random(f"{name}:{split}")
     return datasets.Dataset.from_dict(_BUILDERS[name](rng, 512 if split == "train" else 64))
+
+
+def generate(trainer: Any, prompts: list[Any]) -> dict[str, list[Any]]:
+    """What TRL's ``rollout_func`` example gets from its vLLM server: for each prompt (text, or chat
+    messages rendered with the chat template), its token ids, one completion sampled from the trainer's
+    policy at ``temperature`` (at most ``max_completion_length`` tokens, ending at the EOS token) and the
+    completion tokens' log-probs. Runs transformers' ``generate`` on the policy of TRL's trainer
+    (``trainer.model``) or ours (``trainer.model.policy``)."""
+    import torch
+
+    tokenizer, args = trainer.processing_class, trainer.args
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = getattr(model, "policy", model)  # ours holds the policy (and PPO's value model) in one module
+    texts = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+        if isinstance(p, list)
+        else p
+        for p in prompts
+    ]
+    prompt_ids = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    width = max(len(ids) for ids in prompt_ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=model.device)
+    attention_mask = (
+        torch.arange(width)[None, :] >= torch.tensor([width - len(i) for i in prompt_ids])[:, None]
+    ).long()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask.to(model.device),
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.max_completion_length,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    tokens = out.sequences[:, width:]
+    logits = torch.stack(out.logits, dim=1).float() / args.temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    completion_ids, completion_logprobs = [], []
+    for row, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+        end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        completion_ids.append(row[:end])
+        completion_logprobs.append(row_logprobs[:end])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": completion_logprobs}
