@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -431,3 +432,34 @@ def _logged_metrics(
     for name, values in extra.items():
         merged.setdefault(name, []).extend(values)
     return merged
+
+
+class ProducerHooks:
+    """The engine's hooks where a trainer changes how experience is collected, with the engine's own
+    behaviour (one turn per row; no tools, no ``rollout_func``). A mixin before the engine overrides them
+    (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs); the engine
+    calls ``setup_rollout_func`` and ``setup_tools`` before any model loads, ``make_producer`` once its
+    parts exist."""
+
+    def setup_tools(
+        self, tools: Sequence[Callable[..., Any]] | None, args: Any, processing_class: Any, model: Any
+    ) -> Any:
+        """Check ``tools=`` before the models load; returns the policy's tokenizer. The engine alone takes
+        none (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
+        if tools:
+            raise ValueError(
+                f"{type(self).__name__} takes no tools=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
+            )
+        return processing_class
+
+    def setup_rollout_func(self, rollout_func: Callable[..., Any] | None, tools: Any, args: Any) -> None:
+        """Check ``rollout_func=`` before the models load. The engine alone takes none
+        (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
+        if rollout_func is not None:
+            raise ValueError(
+                f"{type(self).__name__} takes no rollout_func=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
+            )
+
+    def make_producer(self) -> RolloutProducer:
+        """The rollout producer of this run (the seam where multi-turn rollouts plug in): one turn per row."""
+        return SingleTurnProducer(self)

@@ -58,7 +58,7 @@ from .metrics import Collectives, rollout_metrics, rollout_sampling_metrics, trl
 from .objective import Objective
 from .optimize import OptimizationLoop
 from .passes import ModelPasses
-from .producer import RolloutProducer, SingleTurnProducer
+from .producer import ProducerHooks, RolloutProducer
 from .rollout import Advantages, LossNormalization, Rollout
 from .sampling import PolicySampler
 from .setup import (
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class OnPolicyTrainer(TrainerHooksMixin, Trainer):
+class OnPolicyTrainer(TrainerHooksMixin, ProducerHooks, Trainer):
     """The engine of :class:`~rlhf_trainers.PPOTrainer`, :class:`~rlhf_trainers.RLOOTrainer` and
     :class:`~rlhf_trainers.GRPOTrainer`.
 
@@ -225,29 +225,6 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.sampler = PolicySampler(self, stop_ids, self.cpu_options)
         self.producer: RolloutProducer = self.make_producer()
         self.loop = OptimizationLoop(self)
-
-    def setup_tools(
-        self, tools: Sequence[Callable[..., Any]] | None, args: Any, processing_class: Any, model: Any
-    ) -> Any:
-        """Check ``tools=`` before the models load; returns the policy's tokenizer. The engine alone takes
-        none (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
-        if tools:
-            raise ValueError(
-                f"{type(self).__name__} takes no tools=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
-            )
-        return processing_class
-
-    def setup_rollout_func(self, rollout_func: Callable[..., Any] | None, tools: Any, args: Any) -> None:
-        """Check ``rollout_func=`` before the models load. The engine alone takes none
-        (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
-        if rollout_func is not None:
-            raise ValueError(
-                f"{type(self).__name__} takes no rollout_func=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
-            )
-
-    def make_producer(self) -> RolloutProducer:
-        """The rollout producer of this run (the seam where multi-turn rollouts plug in): one turn per row."""
-        return SingleTurnProducer(self)
 
     def accelerator_arguments(self, **kwargs: Any) -> dict[str, Any]:
         """Trainer's accelerator arguments without a compiling dynamo plugin: ``torch_compile`` is the
