@@ -127,11 +127,13 @@ def _math_and_code(rng: random.Random, n: int) -> dict[str, list[Any]]:
 
 
 def _arithmetic_tools(rng: random.Random, n: int) -> dict[str, list[Any]]:
-    """Conversational questions a calculator answers (multi-digit products and sums), with an ``answer``
-    column: the task of TRL's tools example."""
+    """Conversational questions a calculator answers, products and sums in turn, with an ``answer``
+    column: the task of TRL's tools example. Two-digit numbers at ``real`` scale; one-digit at ``kit``
+    scale, the questions the kit agent (``rlhf_trainers.testing.agent_kit``) was taught to call on."""
     prompts, answers = [], []
+    low, high = (12, 99) if SCALE == "real" else (2, 9)
     for i in range(n):
-        a, b = rng.randint(12, 99), rng.randint(12, 99)
+        a, b = rng.randint(low, high), rng.randint(low, high)
         op, value = ("*", a * b) if i % 2 == 0 else ("+", a + b)
         prompts.append([{"role": "user", "content": f"What is {a} {op} {b}? Use the tools."}])
         answers.append(str(value))
