@@ -1,9 +1,10 @@
 """What a trainer needs for multi-turn rollouts with tools: :class:`AgentRollouts`, mixed into
 ``PPOTrainer``, ``RLOOTrainer`` and ``GRPOTrainer`` before the engine (docs/agents.md).
 
-The engine (:class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer`) calls two hooks: ``setup_tools``
-before any model loads (checks ``tools=`` and the chat template, and sets the prompts' chat template
-``tools=`` argument), and ``make_producer`` once its parts exist (the rollout producer of the run).
+The engine (:class:`~rlhf_trainers.onpolicy.trainer.OnPolicyTrainer`) calls three hooks: ``setup_tools``
+before any model loads (checks ``tools=`` / ``environment_factory=`` and the chat template, and sets the
+prompts' chat template ``tools=`` argument), ``extra_reward_sources`` (the environments' ``get_reward``)
+and ``make_producer`` once its parts exist (the rollout producer of the run).
 """
 
 from __future__ import annotations
@@ -12,27 +13,65 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..onpolicy.producer import RolloutProducer
+from .environment_producer import EnvironmentProducer, environment_reward_sources, environment_setup
+from .environments import ENVIRONMENT_COLUMN, EnvironmentSet
 from .producer import MultiTurnProducer, tool_setup
 from .tools import Toolbox
 
 
 class AgentRollouts:
-    """Gives an on-policy trainer TRL's ``tools=``: with tools, every rollout row is an episode of
-    assistant turns and tool results (:class:`~rlhf_trainers.agents.producer.MultiTurnProducer`), at most
-    ``args.max_tool_calling_iterations`` tool turns, each call limited to ``args.tool_timeout`` seconds."""
+    """Gives an on-policy trainer TRL's ``tools=`` and ``environment_factory=``: with either, every rollout
+    row is an episode of assistant turns and tool results
+    (:class:`~rlhf_trainers.agents.producer.MultiTurnProducer`; with environments
+    :class:`~rlhf_trainers.agents.environment_producer.EnvironmentProducer`, one environment per episode),
+    at most ``args.max_tool_calling_iterations`` tool turns, each call limited to ``args.tool_timeout``
+    seconds."""
 
-    #: The tools of the run; None without ``tools=``.
+    #: The tools of the run (with environments: the union of theirs); None without tools.
     toolbox: Toolbox | None = None
+    #: The environments of the run; None without ``environment_factory=``.
+    environments: EnvironmentSet | None = None
 
     def setup_tools(
-        self, tools: Sequence[Callable[..., Any]] | None, args: Any, processing_class: Any, model: Any
+        self,
+        tools: Sequence[Callable[..., Any]] | None,
+        args: Any,
+        processing_class: Any,
+        model: Any,
+        environment_factory: Any = None,
     ) -> Any:
-        """Check ``tools=`` (before the models load) and return the policy's tokenizer."""
-        self.toolbox, processing_class = tool_setup(self, tools, args, processing_class, model)
+        """Check ``tools=`` and ``environment_factory=`` (before the models load) and return the policy's
+        tokenizer."""
+        if environment_factory is None:
+            self.toolbox, processing_class = tool_setup(self, tools, args, processing_class, model)
+            return processing_class
+        self.environments, self.toolbox, processing_class = environment_setup(
+            self, environment_factory, tools, args, processing_class, model
+        )
         return processing_class
 
+    def extra_reward_sources(self, args: Any) -> list[Any]:
+        """The environments' ``get_reward`` as reward sources (weight 1 each, after ``reward_funcs``)."""
+        return environment_reward_sources(self.environments, args.reward_func_errors)
+
     def make_producer(self) -> RolloutProducer:
-        """The multi-turn producer with tools; the engine's single-turn one without."""
+        """The environment producer with ``environment_factory``, the multi-turn producer with tools, the
+        engine's single-turn one without."""
+        if self.environments is not None:
+            self._check_environment_columns()
+            return EnvironmentProducer(self, self.environments, self.args.max_tool_calling_iterations)  # type: ignore[attr-defined]
         if self.toolbox is None:
             return super().make_producer()  # type: ignore[misc]
         return MultiTurnProducer(self, self.toolbox, self.args.max_tool_calling_iterations)  # type: ignore[attr-defined]
+
+    def _check_environment_columns(self) -> None:
+        """With a dict of factories, every row of the datasets must name one of them (at construction)."""
+        environments = self.environments
+        if environments is None or not environments.multi:
+            return
+        for dataset in (self.train_dataset, self.eval_dataset):  # type: ignore[attr-defined]
+            if dataset is None or not hasattr(dataset, "column_names"):
+                continue
+            if ENVIRONMENT_COLUMN not in dataset.column_names:
+                raise ValueError(environments.missing_column_message(dataset.column_names))
+            environments.row_names({ENVIRONMENT_COLUMN: dataset[ENVIRONMENT_COLUMN]}, len(dataset))

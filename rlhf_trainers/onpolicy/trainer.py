@@ -129,13 +129,22 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         value_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         cpu_options: CPUOptions | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
     ) -> None:
         args = self._checked_args(args)
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
-        check_inputs(type(self).__name__, args, train_dataset, paths, reward_funcs)  # before anything loads
-        processing_class = self.setup_tools(tools, args, processing_class, model)
+        # (with environments, get_reward may be the reward: checked once they are made)
+        rewarded = reward_funcs if environment_factory is None else True
+        check_inputs(type(self).__name__, args, train_dataset, paths, rewarded)  # before anything loads
+        processing_class = self.setup_tools(tools, args, processing_class, model, environment_factory)
+        extra_rewards = self.extra_reward_sources(args)
+        if reward_model is None and not reward_funcs and not extra_rewards:
+            raise ValueError(
+                "No reward: pass reward_model=, reward_funcs=, or an environment_factory whose environments "
+                "define get_reward() (none of them does)."
+            )
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
 
@@ -154,7 +163,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.is_peft = models.is_peft
         self.ref_model = models.ref_model
         self.reward_model = models.reward_model
-        self.reward_sources = reward_sources(models, processing_class, reward_funcs, args)
+        self.reward_sources = reward_sources(models, processing_class, reward_funcs, args, extra_rewards)
 
         # ---- data ----
         self.preprocessing_stats: dict[str, Any] = {}
@@ -225,15 +234,27 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.loop = OptimizationLoop(self)
 
     def setup_tools(
-        self, tools: Sequence[Callable[..., Any]] | None, args: Any, processing_class: Any, model: Any
+        self,
+        tools: Sequence[Callable[..., Any]] | None,
+        args: Any,
+        processing_class: Any,
+        model: Any,
+        environment_factory: Any = None,
     ) -> Any:
-        """Check ``tools=`` before the models load; returns the policy's tokenizer. The engine alone takes
-        none (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
-        if tools:
+        """Check ``tools=`` and ``environment_factory=`` before the models load; returns the policy's
+        tokenizer. The engine alone takes neither (:class:`rlhf_trainers.agents.trainer.AgentRollouts`
+        gives PPO, RLOO and GRPO theirs)."""
+        if tools or environment_factory is not None:
             raise ValueError(
-                f"{type(self).__name__} takes no tools=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
+                f"{type(self).__name__} takes no tools= or environment_factory=; use PPOTrainer, RLOOTrainer "
+                "or GRPOTrainer."
             )
         return processing_class
+
+    def extra_reward_sources(self, args: Any) -> list[Any]:
+        """Reward sources the run adds to ``reward_funcs`` (weight 1 each): none here (an environment's
+        ``get_reward`` with :class:`rlhf_trainers.agents.trainer.AgentRollouts`)."""
+        return []
 
     def make_producer(self) -> RolloutProducer:
         """The rollout producer of this run (the seam where multi-turn rollouts plug in): one turn per row."""
