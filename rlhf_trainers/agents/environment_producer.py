@@ -108,6 +108,9 @@ class EnvironmentProducer(MultiTurnProducer):
         with_environments = dataclasses.replace(
             samples, columns={**samples.columns, "environments": self.current}
         )
+        for source in self.engine.reward_sources.sources:
+            if isinstance(source, EnvironmentReward):
+                source.skip_rows = set(self.failed)  # a failed reset leaves no state to score
         with seeded_random(*self._seed_key("score")):
             scores = super().score(with_environments, timings)
         if self.failed:

@@ -229,6 +229,8 @@ class EnvironmentReward:
         self.on_error = on_error
         self.is_async = is_async_reward_func(environment_class.get_reward)
         self.last_errors = 0
+        #: Rows of the next batch not to score (their environment's reset raised); the producer sets it.
+        self.skip_rows: set[int] = set()
 
     def _environments(self, batch: Any) -> list[Any]:
         environments = batch.columns.get("environments")
@@ -256,7 +258,7 @@ class EnvironmentReward:
         self.last_errors = 0
         out = []
         for row, environment in enumerate(self._environments(batch)):
-            if type(environment) is not self.environment_class:
+            if type(environment) is not self.environment_class or row in self.skip_rows:
                 out.append(math.nan)
                 continue
             try:
@@ -270,7 +272,7 @@ class EnvironmentReward:
         self.last_errors = 0
         out = []
         for row, environment in enumerate(self._environments(batch)):
-            if type(environment) is not self.environment_class:
+            if type(environment) is not self.environment_class or row in self.skip_rows:
                 out.append(math.nan)
                 continue
             try:
