@@ -354,3 +354,44 @@ def test_a_resumed_run_re_creates_the_environments_and_continues_exactly(kit, tm
     rewards = [h["rewards/DiceEnv/mean"] for h in full.state.log_history if "rewards/DiceEnv/mean" in h]
     assert len(set(rewards)) == 4 and all(math.isfinite(r) for r in rewards)
     assert_resumed_like_uninterrupted(full, trainer, 2)
+
+
+def test_without_a_dataset_the_environment_owns_the_prompts(kit, tmp_path):
+    """TRL's environment-owned data: no train_dataset, reset() returns the prompt, max_steps the length."""
+    prompts = []
+
+    class Seen(DiceEnv):
+        def reset(self, **kwargs):
+            observation = super().reset(**kwargs)
+            prompts.append((kwargs, observation))
+            return observation
+
+    with pytest.raises(ValueError, match=r"max_steps sets the length of the run; got max_steps=-1"):
+        GRPOTrainer(
+            model=kit.load_model("llama-sft"),
+            args=_config(tmp_path, max_steps=-1, num_train_epochs=1, max_prompt_length=64),
+            processing_class=_tokenizer(kit),
+            environment_factory=Seen,
+        )
+    with pytest.raises(ValueError, match=r"dict environment_factory .* needs a train_dataset"):
+        GRPOTrainer(
+            model=kit.load_model("llama-sft"),
+            args=_config(tmp_path, max_steps=2, max_prompt_length=64),
+            processing_class=_tokenizer(kit),
+            environment_factory={"a": CounterEnv},
+        )
+    trainer = GRPOTrainer(
+        model=kit.load_model("llama-sft"),
+        args=_config(tmp_path, max_steps=2, max_prompt_length=64),
+        processing_class=_tokenizer(kit),
+        environment_factory=Seen,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(prompts) == 16
+    assert all(kwargs == {"prompt": [{"role": "user", "content": ""}]} for kwargs, _ in prompts)
+    rollout = trainer._last_rollout
+    texts = [
+        trainer.processing_class.decode(q[m]) for q, m in zip(rollout.query, rollout.query_mask, strict=True)
+    ]
+    assert [t.count("Roll ") for t in texts] == [1] * 8  # the prompt is what reset() returned
+    assert {p[-1]["content"] for p in rollout.prompts} == {o for _, o in prompts[8:]}

@@ -9,7 +9,7 @@ and ``make_producer`` once its parts exist (the rollout producer of the run).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..onpolicy.producer import RolloutProducer
@@ -49,6 +49,27 @@ class AgentRollouts:
             self, environment_factory, tools, args, processing_class, model
         )
         return processing_class
+
+    def default_train_dataset(self, train_dataset: Any, args: Any, environment_factory: Any) -> Any:
+        """TRL's environment-owned data: without a ``train_dataset``, a single ``environment_factory``
+        whose ``reset()`` returns each episode's prompt trains on placeholder rows of one empty user
+        message (as many as one update's completions), for ``max_steps`` updates."""
+        if train_dataset is not None or environment_factory is None:
+            return train_dataset
+        if isinstance(environment_factory, Mapping):
+            raise ValueError(
+                "A dict environment_factory (several environments) needs a train_dataset with an 'environment' "
+                "column to pick each row's environment; pass one, or a single factory."
+            )
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ValueError(
+                "Without a train_dataset (the environment owns the data: its reset() returns each prompt), "
+                f"max_steps sets the length of the run; got max_steps={args.max_steps}. Set max_steps=<updates>."
+            )
+        import datasets
+
+        rows = max(1, args.local_batch_size * args.world_size)
+        return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
     def extra_reward_sources(self, args: Any) -> list[Any]:
         """The environments' ``get_reward`` as reward sources (weight 1 each, after ``reward_funcs``)."""

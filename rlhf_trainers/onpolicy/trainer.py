@@ -135,6 +135,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
+        train_dataset = self.default_train_dataset(train_dataset, args, environment_factory)
         # (with environments, get_reward may be the reward: checked once they are made)
         rewarded = reward_funcs if environment_factory is None else True
         check_inputs(type(self).__name__, args, train_dataset, paths, rewarded)  # before anything loads
@@ -250,6 +251,11 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
                 "or GRPOTrainer."
             )
         return processing_class
+
+    def default_train_dataset(self, train_dataset: Any, args: Any, environment_factory: Any) -> Any:
+        """The train dataset to use: ``train_dataset`` here (with environments that own their data,
+        :class:`rlhf_trainers.agents.trainer.AgentRollouts` makes one when it is None)."""
+        return train_dataset
 
     def extra_reward_sources(self, args: Any) -> list[Any]:
         """Reward sources the run adds to ``reward_funcs`` (weight 1 each): none here (an environment's
