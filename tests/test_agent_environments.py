@@ -395,3 +395,25 @@ def test_without_a_dataset_the_environment_owns_the_prompts(kit, tmp_path):
     ]
     assert [t.count("Roll ") for t in texts] == [1] * 8  # the prompt is what reset() returned
     assert {p[-1]["content"] for p in rollout.prompts} == {o for _, o in prompts[8:]}
+
+
+def test_evaluation_runs_episodes_and_draws_the_same_on_the_same_prompts(kit, tmp_path):
+    """evaluate() resets environments like training, and (its sampling forked from the seed) two
+    evaluations of the same weights give the same metrics: the environments' draws depend on the prompts."""
+    trainer = GRPOTrainer(
+        model=kit.load_model("llama-sft"),
+        args=_config(tmp_path, max_prompt_length=64, max_completion_length=16, per_device_eval_batch_size=4),
+        train_dataset=_dataset(kit),
+        eval_dataset=kit.prompt_dataset("test", n=8, chat=True),
+        processing_class=_tokenizer(kit),
+        environment_factory=DiceEnv,
+    )
+    random.seed(1)
+    first = trainer.evaluate()
+    random.seed(2)
+    second = trainer.evaluate()
+    assert 1.0 <= first["eval_rewards/DiceEnv/mean"] <= 7.0
+    assert first["eval_rewards/DiceEnv/std"] > 0
+    for key, value in first.items():
+        if "runtime" not in key and "per_second" not in key:
+            assert second[key] == pytest.approx(value), key

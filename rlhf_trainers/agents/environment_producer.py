@@ -15,16 +15,16 @@ the plain prompt, runs no tool, is left out of the update (its reward is None) a
 ``environments/reset_failure_frequency``; the first failure of a run is logged with its traceback.
 
 What environments draw from Python's ``random`` (and NumPy's global generator) while a rollout is made is
-seeded from ``seed``, the update index and the process (:func:`~rlhf_trainers.agents.environments.seeded_random`),
-and creating instances does not consume it, so a run resumed from a checkpoint re-creates the same
-episodes.
+seeded from ``seed``, the update index and the process (in evaluation: the batch's prompts instead of the
+update; :func:`~rlhf_trainers.agents.environments.seeded_random`), and creating instances does not
+consume it, so a run resumed from a checkpoint re-creates the same episodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,7 +67,7 @@ class EnvironmentProducer(MultiTurnProducer):
         #: Rows of the last :meth:`sample` whose environment's reset() raised.
         self.failed: set[int] = set()
         self._key: tuple[Any, ...] | None = None
-        self._calls: Counter[tuple[Any, ...]] = Counter()
+        self._sample_key: tuple[Any, ...] = ()
         self._warned = False
 
     # ---- seeding: the rollout of update u draws the same environment randomness on every run ----------
@@ -79,14 +79,17 @@ class EnvironmentProducer(MultiTurnProducer):
         finally:
             self._key = None
 
-    def _seed_key(self, phase: str) -> tuple[Any, ...]:
+    def _seed_key(self, batch: dict[str, Any]) -> tuple[Any, ...]:
+        """What seeds the environments' randomness for ``batch``: the run's seed, the process and the
+        update (in training), or the batch's prompt ids (evaluation, or a rollout outside train()), so
+        evaluating the same prompts twice draws the same."""
         engine = self.engine
         key = self._key
-        if key is None:  # evaluation, or a rollout outside train(): by step and call
-            base = ("step", engine.state.global_step)
-            key = (*base, self._calls[base])
-            self._calls[base] += 1 if phase == "score" else 0
-        return (engine.args.seed, engine.accelerator.process_index, *key, phase)
+        if key is None:
+            ids = batch["input_ids"]
+            digest = hashlib.sha256(ids.cpu().numpy().tobytes() + str(tuple(ids.shape)).encode()).hexdigest()
+            key = ("batch", digest)
+        return (engine.args.seed, engine.accelerator.process_index, *key)
 
     def sample(
         self,
@@ -96,7 +99,8 @@ class EnvironmentProducer(MultiTurnProducer):
         timings: dict[str, float] | None = None,
     ) -> SampledResponses:
         """The episodes of ``copies`` completions per prompt of ``batch`` (see the module docstring)."""
-        with seeded_random(*self._seed_key("sample")):
+        self._sample_key = self._seed_key(batch)
+        with seeded_random(*self._sample_key, "sample"):
             samples = super().sample(batch, copies, with_logprobs, timings)
         failures = [float(r in self.failed) for r in range(len(self.current))]
         samples.extra_metrics = {**(samples.extra_metrics or {}), RESET_FAILURES: failures}
@@ -111,7 +115,7 @@ class EnvironmentProducer(MultiTurnProducer):
         for source in self.engine.reward_sources.sources:
             if isinstance(source, EnvironmentReward):
                 source.skip_rows = set(self.failed)  # a failed reset leaves no state to score
-        with seeded_random(*self._seed_key("score")):
+        with seeded_random(*self._sample_key, "score"):
             scores = super().score(with_environments, timings)
         if self.failed:
             rows = torch.tensor(sorted(self.failed), device=scores.total.device)
