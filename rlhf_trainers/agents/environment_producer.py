@@ -68,6 +68,7 @@ class EnvironmentProducer(MultiTurnProducer):
         self.failed: set[int] = set()
         self._key: tuple[Any, ...] | None = None
         self._sample_key: tuple[Any, ...] = ()
+        self._prompt_column: str | None = "prompt"
         self._warned = False
 
     # ---- seeding: the rollout of update u draws the same environment randomness on every run ----------
@@ -100,6 +101,8 @@ class EnvironmentProducer(MultiTurnProducer):
     ) -> SampledResponses:
         """The episodes of ``copies`` completions per prompt of ``batch`` (see the module docstring)."""
         self._sample_key = self._seed_key(batch)
+        #: The column the batch's prompts are in (``prompt`` or ``messages``; None for token ids).
+        self._prompt_column = next((c for c in ("prompt", "messages") if c in batch), None)
         with seeded_random(*self._sample_key, "sample"):
             samples = super().sample(batch, copies, with_logprobs, timings)
         failures = [float(r in self.failed) for r in range(len(self.current))]
@@ -174,11 +177,6 @@ class EnvironmentProducer(MultiTurnProducer):
                 )
             return None
 
-    @property
-    def _prompt_column(self) -> str | None:
-        """The dataset column the prompts are in (``prompt`` or ``messages``; None for token ids)."""
-        columns = getattr(self.engine.train_dataset, "column_names", None) or []
-        return next((c for c in ("prompt", "messages") if c in columns), None)
 
     def _render(self, prompt: Any, schemas: list[dict[str, Any]], row: int) -> list[int]:
         """The token ids of ``prompt`` as the dataset's prompts are made (chat template with these tools,
