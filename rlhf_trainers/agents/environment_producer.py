@@ -177,7 +177,6 @@ class EnvironmentProducer(MultiTurnProducer):
                 )
             return None
 
-
     def _render(self, prompt: Any, schemas: list[dict[str, Any]], row: int) -> list[int]:
         """The token ids of ``prompt`` as the dataset's prompts are made (chat template with these tools,
         ``max_prompt_length`` from the left)."""
