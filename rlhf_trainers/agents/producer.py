@@ -63,6 +63,8 @@ class Episode:
     failures: int = 0
     turns: int = 0
     hit_iteration_limit: bool = False
+    toolbox: Toolbox | None = None
+    """This episode's tools (an environment's, bound to it); None: the producer's."""
 
     def append(self, ids: list[int], written: bool, logprobs: list[float], entropy: list[float]) -> None:
         self.ids += ids
@@ -110,7 +112,9 @@ class MultiTurnProducer(SingleTurnProducer):
         query = batch["input_ids"].to(device).repeat(copies, 1)
         query_mask = batch["attention_mask"].to(device).repeat(copies, 1).bool()
         prompts, columns = self._prompts_and_columns(batch)
-        episodes = [Episode(prompt_ids=query[i][query_mask[i]].tolist()) for i in range(query.shape[0])]
+        prompts = list(prompts) * copies
+        columns = {name: list(values) * copies for name, values in columns.items()}
+        query, query_mask, episodes = self.start_episodes(query, query_mask, prompts, columns)
         active = list(range(len(episodes)))
         iteration = 0
         while active:
@@ -119,7 +123,16 @@ class MultiTurnProducer(SingleTurnProducer):
             active = self._tool_turns(episodes, active, iteration)
             timings["timing/tools"] += time.perf_counter() - began
             iteration += 1
-        return self._responses(episodes, query, query_mask.bool(), prompts, columns, copies, with_logprobs)
+        return self._responses(episodes, query, query_mask.bool(), prompts, columns, with_logprobs)
+
+    def start_episodes(
+        self, query: torch.Tensor, query_mask: torch.Tensor, prompts: list[Any], columns: dict[str, list[Any]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Episode]]:
+        """The episodes of the rows (one per row of ``query``, with the producer's tools) and the
+        prompts they start from. An environment producer resets its environments here and may change
+        the rows' prompts (and ``prompts`` in place)."""
+        episodes = [Episode(prompt_ids=query[i][query_mask[i]].tolist()) for i in range(query.shape[0])]
+        return query, query_mask, episodes
 
     def _assistant_turns(
         self,
@@ -209,7 +222,8 @@ class MultiTurnProducer(SingleTurnProducer):
         episode.append(ids, True, logprobs, entropy)
         episode.turns += 1
         tokenizer = self.engine.processing_class
-        parsed = parse_tool_calls(ids, tokenizer, prefix=context, tools=self.toolbox.schemas)
+        toolbox = episode.toolbox if episode.toolbox is not None else self.toolbox
+        parsed = parse_tool_calls(ids, tokenizer, prefix=context, tools=toolbox.schemas)
         episode.messages.append(parsed.to_message())
         episode.pending_calls = list(parsed.tool_calls) if ended else []
 
@@ -224,7 +238,8 @@ class MultiTurnProducer(SingleTurnProducer):
             if self.max_iterations is not None and iteration >= self.max_iterations:
                 episode.hit_iteration_limit = True
                 continue
-            results = self.toolbox.execute(episode.pending_calls)
+            toolbox = episode.toolbox if episode.toolbox is not None else self.toolbox
+            results = toolbox.execute(episode.pending_calls)
             episode.calls += len(results)
             episode.failures += sum(not result.ok for result in results)
             messages = [result.to_message() for result in results]
@@ -270,7 +285,6 @@ class MultiTurnProducer(SingleTurnProducer):
         query_mask: torch.Tensor,
         prompts: list[Any],
         columns: dict[str, list[Any]],
-        copies: int,
         with_logprobs: bool,
     ) -> SampledResponses:
         """The episodes as right-padded (N, response_length) tensors, with the tool metrics."""
@@ -299,8 +313,8 @@ class MultiTurnProducer(SingleTurnProducer):
             response=response,
             response_mask=mask,
             lengths=lengths,
-            prompts=list(prompts) * copies,
-            columns={name: list(values) * copies for name, values in columns.items()},
+            prompts=prompts,
+            columns=columns,
             generation_logprobs=logprobs,
             generation_entropy=entropy,
             loss_mask=written,
@@ -333,6 +347,18 @@ def tool_setup(
     if tools is None or (isinstance(tools, (list, tuple)) and not tools):
         return None, processing_class
     toolbox = Toolbox(tools, timeout=args.tool_timeout)
+    check_multi_turn_support(args, "tools= (multi-turn tool rollouts)")
+    from ..onpolicy.setup import policy_tokenizer
+
+    processing_class = policy_tokenizer(model, processing_class)
+    check_tool_calling(processing_class, "The policy's tokenizer (processing_class)")
+    trainer.prompt_chat_template_kwargs = {"tools": toolbox.schemas}
+    return toolbox, processing_class
+
+
+def check_multi_turn_support(args: Any, what: str) -> None:
+    """Refuse the settings multi-turn rollouts do not support yet (dynamic sampling,
+    ``truncate_after``, several processes), naming ``what`` asked for them."""
     unsupported = {
         "dynamic_sampling=True": args.dynamic_sampling,
         f"truncate_after={args.truncate_after}": args.truncate_after,
@@ -343,16 +369,10 @@ def tool_setup(
     given = [name for name, value in unsupported.items() if value]
     if given:
         raise ValueError(
-            f"tools= (multi-turn tool rollouts) does not support {', '.join(given)} yet: tool episodes are "
-            "generated in one process, every turn ending at its stop token. Leave dynamic_sampling and "
-            "truncate_after at their defaults, and train in one process."
+            f"{what} does not support {', '.join(given)} yet: tool episodes are generated in one process, "
+            "every turn ending at its stop token. Leave dynamic_sampling and truncate_after at their "
+            "defaults, and train in one process."
         )
-    from ..onpolicy.setup import policy_tokenizer
-
-    processing_class = policy_tokenizer(model, processing_class)
-    check_tool_calling(processing_class, "The policy's tokenizer (processing_class)")
-    trainer.prompt_chat_template_kwargs = {"tools": toolbox.schemas}
-    return toolbox, processing_class
 
 
 def tool_metrics(episodes: list[Episode]) -> dict[str, list[float]]:

@@ -46,12 +46,14 @@ REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 MASK_KEY = "env_mask"
 
 
-def check_rollout_func(rollout_func: Any, tools: Any, args: Any) -> RolloutFunc | None:
+def check_rollout_func(
+    rollout_func: Any, tools: Any, args: Any, environment_factory: Any = None
+) -> RolloutFunc | None:
     """Check a trainer's ``rollout_func=`` before anything loads; returns it (None without one).
 
     Raises:
         TypeError: it is not callable.
-        ValueError: it comes with ``tools=`` or a setting that only the builtin sampler's responses have
+        ValueError: it comes with ``tools=``, ``environment_factory=`` or a setting that only the builtin sampler's responses have
             (``dynamic_sampling``, ``truncate_after``).
     """
     if rollout_func is None:
@@ -63,6 +65,7 @@ def check_rollout_func(rollout_func: Any, tools: Any, args: Any) -> RolloutFunc 
         )
     unsupported = {
         "tools=": bool(tools),
+        "environment_factory=": environment_factory is not None,
         "dynamic_sampling=True": args.dynamic_sampling,
         f"truncate_after={args.truncate_after}": args.truncate_after,
     }
@@ -71,7 +74,7 @@ def check_rollout_func(rollout_func: Any, tools: Any, args: Any) -> RolloutFunc 
         raise ValueError(
             f"rollout_func= does not go with {', '.join(given)}: the function makes the whole completion "
             "(a multi-turn episode included, with env_mask marking the tokens it inserted), so there is no "
-            "builtin generation for tools, dynamic sampling or truncate_after to act on. Drop them, or drop "
+            "builtin generation for tools, environments, dynamic sampling or truncate_after to act on. Drop them, or drop "
             "rollout_func."
         )
     return rollout_func

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -365,15 +365,22 @@ def reward_sources(
     tokenizer: PreTrainedTokenizerBase,
     reward_funcs: Any,
     args: OnPolicyConfig,
+    extra_sources: Sequence[Any] = (),
 ) -> RewardSources:
     """Every reward source of the run: the reward model (if any) and the reward functions or sources,
-    weighted by ``reward_weights``."""
+    weighted by ``reward_weights``, then ``extra_sources`` (an environment's ``get_reward``), weight 1
+    each as in TRL (``reward_weights`` lists the others only)."""
+    weights = args.reward_weights
+    if extra_sources:
+        entries = RewardSources._as_entry_list(reward_funcs)
+        reward_funcs = [*entries, *extra_sources]
+        weights = None if weights is None else [*weights, *[1.0] * len(extra_sources)]
     return RewardSources(
         policy_tokenizer=tokenizer,
         reward_model=models.reward_model,
         reward_tokenizer=models.reward_processing_class,
         reward_funcs=reward_funcs,
-        reward_weights=args.reward_weights,
+        reward_weights=weights,
         batch_size=args.reward_batch_size,
         on_error=args.reward_func_errors,
         padding_free=args.padding_free,

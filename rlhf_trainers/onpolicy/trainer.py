@@ -129,15 +129,31 @@ class OnPolicyTrainer(TrainerHooksMixin, ProducerHooks, Trainer):
         value_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         cpu_options: CPUOptions | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
         rollout_func: Callable[[list[Any], Any], Any] | None = None,
     ) -> None:
         args = self._checked_args(args)
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
-        check_inputs(type(self).__name__, args, train_dataset, paths, reward_funcs)  # before anything loads
-        self.setup_rollout_func(rollout_func, tools, args)
-        processing_class = self.setup_tools(tools, args, processing_class, model)
+        train_dataset = self.default_train_dataset(train_dataset, args, environment_factory)
+        # (with environments, get_reward may be the reward: checked once they are made)
+        rewarded = reward_funcs if environment_factory is None else True
+        check_inputs(type(self).__name__, args, train_dataset, paths, rewarded)  # before anything loads
+        processing_class = self.setup_rollouts(
+            args,
+            model,
+            processing_class,
+            tools=tools,
+            environment_factory=environment_factory,
+            rollout_func=rollout_func,
+        )
+        extra_rewards = self.extra_reward_sources(args)
+        if reward_model is None and not reward_funcs and not extra_rewards:
+            raise ValueError(
+                "No reward: pass reward_model=, reward_funcs=, or an environment_factory whose environments "
+                "define get_reward() (none of them does)."
+            )
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
 
@@ -156,7 +172,7 @@ class OnPolicyTrainer(TrainerHooksMixin, ProducerHooks, Trainer):
         self.is_peft = models.is_peft
         self.ref_model = models.ref_model
         self.reward_model = models.reward_model
-        self.reward_sources = reward_sources(models, processing_class, reward_funcs, args)
+        self.reward_sources = reward_sources(models, processing_class, reward_funcs, args, extra_rewards)
 
         # ---- data ----
         self.preprocessing_stats: dict[str, Any] = {}

@@ -11,6 +11,9 @@ This module imports nothing but the standard library and ``datasets``, so that b
 environment and ours run it. The environment chooses the scale:
 
 - ``TRL_SCRIPTS_MODEL``: the policy (and reward-model base) folder. Required.
+- ``TRL_SCRIPTS_TOOL_MODEL``: the policy of the scripts with tools or environments: the same model with a
+  chat template that renders tools, tool calls and tool results (SmolLM2's and the kit's do not; the
+  tests save the kit's with ``rlhf_trainers.agents.install_tool_chat_template``). Default: the model.
 - ``TRL_SCRIPTS_SCALE``: ``"kit"`` (default: two steps of short completions, for the tests) or
   ``"real"`` (``benchmarks/trl_scripts_real.py``: SmolLM2-135M-Instruct).
 - ``TRL_SCRIPTS_STEPS``: ``max_steps`` (default 2 at ``kit`` scale, 12 at ``real``).
@@ -26,11 +29,12 @@ from typing import Any
 
 import datasets
 
-__all__ = ["MODEL", "generate", "load_dataset", "output_dir", "size"]
+__all__ = ["MODEL", "TOOL_MODEL", "generate", "load_dataset", "output_dir", "size"]
 
 MODEL: str = os.environ.get("TRL_SCRIPTS_MODEL", "")
 if not MODEL:
     raise SystemExit("set TRL_SCRIPTS_MODEL to the model folder the scripts train (no Hub here)")
+TOOL_MODEL: str = os.environ.get("TRL_SCRIPTS_TOOL_MODEL", "") or MODEL
 SCALE: str = os.environ.get("TRL_SCRIPTS_SCALE", "kit")
 if SCALE not in ("kit", "real"):
     raise SystemExit(f"TRL_SCRIPTS_SCALE={SCALE!r}: must be 'kit' or 'real'")
