@@ -283,8 +283,12 @@ class MultiTurnProducer(SingleTurnProducer):
     def score(self, samples: SampledResponses, timings: dict[str, float] | None = None) -> Scores:
         """The single-turn scoring of the whole episode (the reward functions get the conversation as
         ``completions`` for conversational prompts, the decoded episode otherwise); an episode "found
-        its stop token" when its last token is one (its last turn ended, not cut by the length limit)."""
+        its stop token" when its last token is one (its last turn ended, not cut by the length limit).
+        The scores' ``completions`` (what the sample tables and ``log_completions`` show) are the
+        conversations: assistant turns, tool calls and tool results."""
         scores = super().score(samples, timings)
+        if samples.conversations is not None:
+            scores.completions = [list(messages) for messages in samples.conversations]
         last = samples.response.gather(1, (samples.lengths - 1).clamp_min(0)[:, None])[:, 0]
         stops = torch.tensor(self.stop_ids, device=last.device)
         scores.found_stop = torch.isin(last, stops) & (samples.lengths > 0)
