@@ -111,8 +111,10 @@ class MultiTurnProducer(SingleTurnProducer):
         episodes = [Episode(prompt_ids=query[i][query_mask[i]].tolist()) for i in range(query.shape[0])]
         active = list(range(len(episodes)))
         iteration = 0
-        while active:
-            self._assistant_turns(episodes, active, query, query_mask, with_logprobs, timings, iteration == 0)
+        while calls := self._generation_calls(len(active)):
+            self._assistant_turns(
+                episodes, active, query, query_mask, with_logprobs, timings, iteration == 0, calls
+            )
             began = time.perf_counter()
             active = self._tool_turns(episodes, active, iteration)
             timings["timing/tools"] += time.perf_counter() - began
@@ -128,16 +130,22 @@ class MultiTurnProducer(SingleTurnProducer):
         with_logprobs: bool,
         timings: dict[str, float],
         first: bool,
+        calls: int,
     ) -> None:
-        """One assistant turn for each ``active`` episode, in chunks of ``local_rollout_forward_batch_size``
-        rows; the first turn samples from the collated prompts exactly as the single-turn producer does."""
+        """One assistant turn for each ``active`` episode, in chunks of :meth:`_chunk_rows` rows; the first
+        turn samples from the collated prompts exactly as the single-turn producer does. ``calls``
+        (:meth:`_generation_calls`) is how many generation calls every process makes in this round: past
+        its own chunks a process makes :meth:`_idle_generation` calls."""
         engine = self.engine
         limit = engine.args.response_length
-        step = engine.args.local_rollout_forward_batch_size
-        if engine.sampler.backend.batches_internally:
-            step = len(active)
+        step = self._chunk_rows(len(active))
         pad = engine.processing_class.pad_token_id
-        for start in range(0, len(active), step):
+        chunks = range(0, len(active), step) if active else range(0)
+        for _ in range(calls - len(chunks)):
+            began = time.perf_counter()
+            self._idle_generation(query, query_mask)
+            timings["timing/generate"] += time.perf_counter() - began
+        for start in chunks:
             rows = active[start : start + step]
             if first:
                 ids, mask = query[rows], query_mask[rows]
@@ -152,6 +160,36 @@ class MultiTurnProducer(SingleTurnProducer):
             stops = torch.isin(generated, torch.tensor(self.stop_ids, device=generated.device))
             for k, r in enumerate(rows):
                 self._take_turn(episodes[r], generated[k], stops[k], extras, k, limit)
+
+    def _chunk_rows(self, active: int) -> int:
+        """Rows per generation call in a round with ``active`` episodes: ``local_rollout_forward_batch_size``,
+        or all of them when the backend batches by itself."""
+        if self.engine.sampler.backend.batches_internally:
+            return max(active, 1)
+        return self.engine.args.local_rollout_forward_batch_size
+
+    def _generation_calls(self, active: int) -> int:
+        """How many generation calls the next round of assistant turns makes on every process (0: every
+        episode of every process has ended).
+
+        Under several processes each generation call is a collective (:meth:`PolicySampler.generate
+        <rlhf_trainers.onpolicy.sampling.PolicySampler.generate>` shares failures with an all-reduce; under
+        ZeRO-3 the weights are gathered per call, or the forward passes run in step), while episodes take
+        different numbers of turns on different processes. So the processes agree on one count per round
+        (the most chunks any of them needs, one all-reduce) and run as many rounds as the longest episode
+        of any process; one with fewer chunks makes idle calls (:meth:`_idle_generation`)."""
+        calls = -(-active // self._chunk_rows(active))
+        accelerator = self.engine.accelerator
+        if accelerator.num_processes == 1:
+            return calls
+        counts = self.engine.collectives.gather(torch.tensor([calls], device=accelerator.device))
+        return int(counts.max())
+
+    def _idle_generation(self, query: torch.Tensor, query_mask: torch.Tensor) -> None:
+        """A generation call whose tokens are thrown away (one row, one token), made by a process whose
+        episodes have all ended (or need fewer calls this round) while another's go on, so that it joins
+        the collectives of the others' calls."""
+        self.engine.sampler.generate(query[:1], query_mask[:1], max_new_tokens=1, stop_ids=self.stop_ids)
 
     def _take_turn(
         self,
@@ -302,7 +340,7 @@ def tool_setup(
     :class:`Toolbox` (None without tools) and the policy's tokenizer (loaded with ``model`` when
     ``processing_class`` is None), and sets the trainer's ``prompt_chat_template_kwargs`` so the prompts are
     rendered with the tools' schemas (the engine passes them to the prompts' chat template). Raises ``ValueError`` for what multi-turn rollouts do not support
-    yet (vLLM, dynamic sampling, ``truncate_after``, several processes) and for a chat template without tool support."""
+    yet (vLLM, dynamic sampling, ``truncate_after``) and for a chat template without tool support."""
     if tools is None or (isinstance(tools, (list, tuple)) and not tools):
         return None, processing_class
     toolbox = Toolbox(tools, timeout=args.tool_timeout)
@@ -310,16 +348,13 @@ def tool_setup(
         "use_vllm=True": args.use_vllm,
         "dynamic_sampling=True": args.dynamic_sampling,
         f"truncate_after={args.truncate_after}": args.truncate_after,
-        # each generation call is a collective under several processes, and episodes take different
-        # numbers of turns: the processes would wait on each other
-        f"{args.world_size} processes": args.world_size > 1,
     }
     given = [name for name, value in unsupported.items() if value]
     if given:
         raise ValueError(
             f"tools= (multi-turn tool rollouts) does not support {', '.join(given)} yet: tool episodes are "
-            "generated in one process with the builtin loop, every turn ending at its stop token. Leave "
-            "use_vllm, dynamic_sampling and truncate_after at their defaults, and train in one process."
+            "generated with the builtin loop, every turn ending at its stop token. Leave use_vllm, "
+            "dynamic_sampling and truncate_after at their defaults."
         )
     from ..onpolicy.setup import policy_tokenizer
 
