@@ -176,3 +176,49 @@ def test_a_kit_run_with_a_tool_shows_conversations_and_logs_eval_tool_metrics(
     assert called and called[0][1] == {"role": "tool", "name": "add", "content": "5"}
     # the tokenizer is saved with the template the run used
     assert supports_tool_calling(AutoTokenizer.from_pretrained(out))
+
+
+CONVERSATION = [
+    {
+        "role": "assistant",
+        "content": "Let me add.",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+    },
+    {"role": "tool", "name": "add", "content": "5"},
+    {"role": "assistant", "content": "It is 5."},
+]
+
+
+def test_log_completions_shows_a_tool_episode_turn_by_turn(capsys, monkeypatch):
+    """``log_completions``'s table (here its plain-text form, and what wandb gets) of a tool episode: each
+    assistant turn with its calls, each tool result."""
+    import types
+
+    from rlhf_trainers.onpolicy import evaluation
+
+    rollout = types.SimpleNamespace(
+        prompts=[[{"role": "user", "content": "2 + 3?"}]],
+        completions=[CONVERSATION],
+        per_source={"f": torch.tensor([1.0])},
+        response_mask=torch.ones(1, 2, dtype=torch.bool),
+    )
+    logged = []
+    wandb = types.SimpleNamespace(
+        run=object(), Table=lambda columns, data: data, log=lambda payload: logged.append(payload)
+    )
+    trainer = types.SimpleNamespace(
+        _last_rollout=rollout,
+        _last_advantages=types.SimpleNamespace(advantages=torch.tensor([[0.5]])),
+        args=types.SimpleNamespace(
+            num_completions_to_print=None, seed=0, report_to=["wandb"], log_unique_prompts=False
+        ),
+        state=types.SimpleNamespace(global_step=3),
+        is_world_process_zero=lambda: True,
+    )
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # the plain-text table
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    evaluation.log_completions(trainer)
+    expected = 'ASSISTANT: Let me add. -> add({"a": 2, "b": 3})\nTOOL add: 5\nASSISTANT: It is 5.'
+    printed = capsys.readouterr().out
+    assert "Prompt: USER: 2 + 3?" in printed and f"Completion: {expected}" in printed
+    assert logged[0]["completions"] == [[3, "USER: 2 + 3?", expected, 1.0, 0.5]]
