@@ -154,6 +154,30 @@ def evaluate(
                         samples.prompts, scores.completions, scores.total.tolist(), strict=True
                     )
                 )
+    metrics = _gathered_metrics(trainer, parts, sources, reward_log, extra, keep, metric_key_prefix)
+    metrics.update(speed_metrics(metric_key_prefix, start_time, num_samples=n, num_steps=batches))
+    if trainer.is_world_process_zero() and samples_table:
+        title = f"evaluation samples at update {trainer.state.global_step}"
+        print_sample_table(samples_table[: trainer.args.sample_table_size], title, to_log=True)
+    trainer.log(metrics)
+    trainer.control = trainer.callback_handler.on_evaluate(
+        trainer.args, trainer.state, trainer.control, metrics
+    )
+    return metrics
+
+
+def _gathered_metrics(
+    trainer: Any,
+    parts: dict[str, list[torch.Tensor]],
+    sources: dict[str, list[torch.Tensor]],
+    reward_log: RewardLog,
+    extra: dict[str, list[float]],
+    keep: torch.Tensor,
+    metric_key_prefix: str,
+) -> dict[str, float]:
+    """The evaluation's metrics over all processes (the rows in ``keep``): the means of ``parts``, the
+    reward functions' and the producer's logged values, and TRL's names where the objective logs them.
+    A collective: every process calls it."""
     keep_all = trainer.collectives.gather(keep.float()).bool()
 
     def mean(values: list[torch.Tensor]) -> float:
@@ -182,14 +206,6 @@ def evaluate(
         )
         trl["num_tokens"] = float(trainer.state.num_input_tokens_seen)
         metrics.update({f"{metric_key_prefix}_{name}": value for name, value in trl.items()})
-    metrics.update(speed_metrics(metric_key_prefix, start_time, num_samples=n, num_steps=batches))
-    if trainer.is_world_process_zero() and samples_table:
-        title = f"evaluation samples at update {trainer.state.global_step}"
-        print_sample_table(samples_table[: trainer.args.sample_table_size], title, to_log=True)
-    trainer.log(metrics)
-    trainer.control = trainer.callback_handler.on_evaluate(
-        trainer.args, trainer.state, trainer.control, metrics
-    )
     return metrics
 
 

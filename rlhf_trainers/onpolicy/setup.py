@@ -40,6 +40,37 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def rollout_inputs(
+    trainer: Any,
+    args: OnPolicyConfig,
+    model: Any,
+    processing_class: Any,
+    train_dataset: Any,
+    paths: dict[str, Any],
+    reward_model: Any,
+    reward_funcs: Any,
+    options: dict[str, Any],
+) -> tuple[Any, Any, list[Any]]:
+    """What a trainer's construction checks before any model loads, through its producer hooks
+    (:class:`~rlhf_trainers.onpolicy.producer.ProducerHooks`): the train dataset (an environment may
+    own the data), the inputs (:func:`check_inputs`), the rollout ``options`` (``tools``,
+    ``environment_factory``, ``rollout_func``) and the reward sources they add; a run without any reward
+    is refused. Returns ``(train_dataset, processing_class, extra_reward_sources)``."""
+    environment_factory = options.get("environment_factory")
+    train_dataset = trainer.default_train_dataset(train_dataset, args, environment_factory)
+    # (with environments, get_reward may be the reward: checked once they are made)
+    rewarded = reward_funcs if environment_factory is None else True
+    check_inputs(type(trainer).__name__, args, train_dataset, paths, rewarded)
+    processing_class = trainer.setup_rollouts(args, model, processing_class, **options)
+    extra_rewards = trainer.extra_reward_sources(args)
+    if reward_model is None and not reward_funcs and not extra_rewards:
+        raise ValueError(
+            "No reward: pass reward_model=, reward_funcs=, or an environment_factory whose environments "
+            "define get_reward() (none of them does)."
+        )
+    return train_dataset, processing_class, extra_rewards
+
+
 def check_inputs(
     trainer_name: str,
     args: OnPolicyConfig,

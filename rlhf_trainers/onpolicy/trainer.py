@@ -63,13 +63,13 @@ from .rollout import Advantages, LossNormalization, Rollout
 from .sampling import PolicySampler
 from .setup import (
     batch_plan,
-    check_inputs,
     fill_deepspeed_bucket_sizes,
     load_models,
     policy_tokenizer,
     prepare_prompts,
     resolve_stop_ids,
     reward_sources,
+    rollout_inputs,
 )
 
 if TYPE_CHECKING:
@@ -136,24 +136,10 @@ class OnPolicyTrainer(TrainerHooksMixin, ProducerHooks, Trainer):
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
-        train_dataset = self.default_train_dataset(train_dataset, args, environment_factory)
-        # (with environments, get_reward may be the reward: checked once they are made)
-        rewarded = reward_funcs if environment_factory is None else True
-        check_inputs(type(self).__name__, args, train_dataset, paths, rewarded)  # before anything loads
-        processing_class = self.setup_rollouts(
-            args,
-            model,
-            processing_class,
-            tools=tools,
-            environment_factory=environment_factory,
-            rollout_func=rollout_func,
+        options = dict(tools=tools, environment_factory=environment_factory, rollout_func=rollout_func)
+        train_dataset, processing_class, extra_rewards = rollout_inputs(  # before anything loads
+            self, args, model, processing_class, train_dataset, paths, reward_model, reward_funcs, options
         )
-        extra_rewards = self.extra_reward_sources(args)
-        if reward_model is None and not reward_funcs and not extra_rewards:
-            raise ValueError(
-                "No reward: pass reward_model=, reward_funcs=, or an environment_factory whose environments "
-                "define get_reward() (none of them does)."
-            )
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
 
