@@ -76,10 +76,10 @@ def size(kind: str) -> dict[str, Any]:
         return common
     if kind == "agent":  # multi-turn episodes: room for a call, its result and an answer
         common.update(
-            per_device_train_batch_size=16 if real else 8,
+            per_device_train_batch_size=16,
             num_generations=4,
-            max_completion_length=256 if real else 64,
-            learning_rate=1e-5 if real else 1e-4,
+            max_completion_length=256 if real else 128,
+            learning_rate=1e-5 if real else 1e-3,
             temperature=1.0,
         )
         return common
