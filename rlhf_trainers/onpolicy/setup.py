@@ -325,14 +325,17 @@ def tokenize(
         chat_template_kwargs=chat_template_kwargs,
     )
     if stats[name].num_truncated:
+        # with tools the cut start is the system turn that describes them (TRL keeps prompts whole)
+        tools = " That start holds the tools' descriptions (tools=): set max_prompt_length=None to keep them."
         logger.warning(
             "%s dataset: %d of %d prompts were longer than max_prompt_length=%s tokens (longest %d) and were "
-            "truncated from the left.",
+            "truncated from the left.%s",
             name,
             stats[name].num_truncated,
             stats[name].num_rows,
             args.max_prompt_length,
             stats[name].longest,
+            tools if chat_template_kwargs and chat_template_kwargs.get("tools") else "",
         )
     return tokenized
 
