@@ -419,13 +419,6 @@ class TRLGRPOFields:
         default=0.2,
         metadata=_help("TRL's adaptive entropy target; no effect (use_adaptive_entropy is refused)."),
     )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata=_help(
-            "GRPO with tools=: the most tool turns per episode (each runs the calls of an assistant turn and "
-            "lets the policy answer); None: no limit but max_completion_length."
-        ),
-    )
     vllm_importance_sampling_clip_max: float | None = field(
         default=3.0, metadata=_help("TRL's name of vllm_importance_sampling_cap (give one of the two).")
     )

@@ -97,8 +97,10 @@ def _script(trainer, calls: list[str | None], every_turn: bool = False) -> None:
     real = trainer.sampler.generate
     R = trainer.args.response_length
 
-    def generate(query, query_mask, with_logprobs=False, *, max_new_tokens=None, stop_ids=None):
-        out, extras = real(query, query_mask, with_logprobs, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    def generate(query, query_mask, with_logprobs=False, *, max_new_tokens=None, stop_ids=None, **limits):
+        out, extras = real(
+            query, query_mask, with_logprobs, max_new_tokens=max_new_tokens, stop_ids=stop_ids, **limits
+        )
         first = max_new_tokens in (None, R)
         if not (first or every_turn):
             return out, extras
@@ -334,3 +336,33 @@ def test_evaluation_samples_whole_episodes(kit, tmp_path):
     roles = [[m["role"] for m in c] for c in seen]
     assert len(roles) == 8
     assert sum(r[:3] == ["assistant", "tool", "assistant"] for r in roles) == 4  # the scripted half
+
+
+def test_trls_length_metrics_count_the_policys_tokens_only(kit, tmp_path):
+    """As TRL documents: with tools, ``completions/*_length`` and ``num_tokens`` count the tokens the policy
+    wrote, not the tool turns."""
+    trainer = _trainer(kit, tmp_path)
+    _script(trainer, [ADD_CALL, ADD_CALL, None, None])
+    rollout = trainer.rollout(trainer.producer.prompt_batch(0))
+    tool = _tool_positions(rollout)
+    assert tool.any()
+    written = rollout.lengths - tool.sum(1)
+    assert torch.equal(rollout.inserted_tokens, tool.sum(1))
+    metrics = trainer.rollout_metrics(
+        rollout, trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
+    )
+    assert metrics["completions/mean_length"] == pytest.approx(float(written.float().mean()))
+    assert metrics["completions/max_length"] == float(written.max())
+    prompt_tokens = int(rollout.query_mask.sum())
+    assert trainer.state.num_input_tokens_seen == prompt_tokens + int(written.sum())
+
+
+def test_row_limits_outside_the_calls_limit_are_refused():
+    """A multi-turn producer gives each row its room (``row_max_new_tokens``); one outside 1..max_new_tokens
+    is a caller's bug, refused when the settings are built."""
+    from rlhf_trainers.generation import SamplingSettings
+
+    assert SamplingSettings(max_new_tokens=8, pad_token_id=0, row_max_new_tokens=(1, 8)).row_max_new_tokens
+    for limits in [(0, 8), (9,)]:
+        with pytest.raises(ValueError, match=r"row_max_new_tokens=.*between 1 and max_new_tokens=8"):
+            SamplingSettings(max_new_tokens=8, pad_token_id=0, row_max_new_tokens=limits)

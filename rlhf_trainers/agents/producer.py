@@ -7,7 +7,8 @@ a response is made: the policy writes an assistant turn (up to a stop token: the
 the template's end of an assistant turn), the tool calls in it run (:class:`~rlhf_trainers.agents.Toolbox`),
 the tool turn the chat template renders for their results (with the next assistant header) is appended
 to the response, and the policy goes on, until a turn calls no tool, ``max_tool_calling_iterations``
-tool turns were run, or ``response_length`` (``max_completion_length``) response tokens are spent.
+tool turns were run, or ``response_length`` (``max_completion_length``) response tokens are spent (or,
+with vLLM, the engine's context is full: :meth:`MultiTurnProducer.room`).
 
 The response of a row is the whole episode after the prompt; ``SampledResponses.loss_mask`` marks the
 tokens the policy wrote, so the inserted tool turns are in the sequence every forward pass reads but
@@ -71,7 +72,8 @@ class Episode:
 
 
 class MultiTurnProducer(SingleTurnProducer):
-    """Rollouts of tool-calling episodes (see the module docstring), with the builtin generation loop.
+    """Rollouts of tool-calling episodes (see the module docstring), with any generation backend (the
+    builtin loop, ``transformers.generate``, colocated vLLM).
 
     Args:
         engine: the trainer (its sampler, tokenizer, reward sources and passes).
@@ -88,7 +90,7 @@ class MultiTurnProducer(SingleTurnProducer):
         if not self.stop_ids:
             raise ValueError(
                 "tools need a token that ends an assistant turn, but the tokenizer has no EOS token and no "
-                "stop_token_id is set; set stop_token_id='eos' with a tokenizer that has an eos_token."
+                "stop_token_id is set; set stop_token='eos' with a tokenizer that has an eos_token."
             )
 
     # ---- sampling ----------------------------------------------------------------------------------
@@ -130,28 +132,56 @@ class MultiTurnProducer(SingleTurnProducer):
         first: bool,
     ) -> None:
         """One assistant turn for each ``active`` episode, in chunks of ``local_rollout_forward_batch_size``
-        rows; the first turn samples from the collated prompts exactly as the single-turn producer does."""
+        rows (one call for a backend that batches internally, vLLM); the first turn samples from the
+        collated prompts exactly as the single-turn producer does. Each row may write what is left of its
+        episode (:meth:`room`); the rows' limits go to the backend when they differ (vLLM stops each
+        request there, so a row with a long context never asks the engine for more than it holds)."""
         engine = self.engine
-        limit = engine.args.response_length
         step = engine.args.local_rollout_forward_batch_size
         if engine.sampler.backend.batches_internally:
             step = len(active)
         pad = engine.processing_class.pad_token_id
+        # an episode without room (a prompt that fills the engine's context) ends here, empty
+        active = [r for r in active if self.room(episodes[r]) > 0]
         for start in range(0, len(active), step):
             rows = active[start : start + step]
             if first:
                 ids, mask = query[rows], query_mask[rows]
             else:
                 ids, mask = _left_padded([episodes[r].prompt_ids + episodes[r].ids for r in rows], pad, query)
-            budget = max(limit - len(episodes[r].ids) for r in rows)
+            rooms = [self.room(episodes[r]) for r in rows]
+            budget = max(rooms)
+            limits = {} if min(rooms) == budget else {"row_max_new_tokens": rooms}
             began = time.perf_counter()
             generated, extras = engine.sampler.generate(
-                ids, mask, with_logprobs=with_logprobs, max_new_tokens=budget, stop_ids=self.stop_ids
+                ids,
+                mask,
+                with_logprobs=with_logprobs,
+                max_new_tokens=budget,
+                stop_ids=self.stop_ids,
+                **limits,
             )
             timings["timing/generate"] += time.perf_counter() - began
             stops = torch.isin(generated, torch.tensor(self.stop_ids, device=generated.device))
             for k, r in enumerate(rows):
-                self._take_turn(episodes[r], generated[k], stops[k], extras, k, limit)
+                self._take_turn(episodes[r], generated[k], stops[k], extras, k, rooms[k])
+
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens a sequence (prompt + episode) may hold for the generation backend: the vLLM
+        engine's ``max_model_len``; None for a backend without such a limit (the builtin loop)."""
+        return getattr(self.engine.sampler.backend, "max_model_len", None)
+
+    def room(self, episode: Episode, extra: int = 0) -> int:
+        """The tokens the policy may still write in ``episode`` after ``extra`` more are appended: what is
+        left of ``response_length``, and of the engine's context (:attr:`context_length`) after the
+        prompt. The trainer refuses prompts + ``response_length`` longer than the engine's context when
+        it is built, so the context bounds an episode only for prompts longer than those it measured."""
+        room = self.engine.args.response_length - len(episode.ids) - extra
+        context = self.context_length
+        if context is not None:
+            room = min(room, context - len(episode.prompt_ids) - len(episode.ids) - extra)
+        return room
 
     def _take_turn(
         self,
@@ -160,11 +190,10 @@ class MultiTurnProducer(SingleTurnProducer):
         stops: torch.Tensor,
         extras: dict[str, torch.Tensor] | None,
         k: int,
-        limit: int,
+        room: int,
     ) -> None:
-        """Append row ``k``'s sampled turn to ``episode`` (cut after its first stop token and at the
-        length limit) and read the tool calls of a turn that ended."""
-        room = limit - len(episode.ids)
+        """Append row ``k``'s sampled turn to ``episode`` (cut after its first stop token and at its
+        ``room``) and read the tool calls of a turn that ended."""
         hits = stops.nonzero().flatten()
         end = int(hits[0]) + 1 if hits.numel() else generated.shape[0]
         ended = hits.numel() > 0 and end <= room
@@ -187,7 +216,6 @@ class MultiTurnProducer(SingleTurnProducer):
     def _tool_turns(self, episodes: list[Episode], active: list[int], iteration: int) -> list[int]:
         """Run the pending calls of the ``active`` episodes and append their tool turns; returns the
         episodes that go on (a tool turn was appended with room for the policy after it)."""
-        limit = self.engine.args.response_length
         going_on = []
         for r in active:
             episode = episodes[r]
@@ -201,8 +229,10 @@ class MultiTurnProducer(SingleTurnProducer):
             episode.failures += sum(not result.ok for result in results)
             messages = [result.to_message() for result in results]
             suffix = self.tool_turn_ids(messages)
-            if len(episode.ids) + len(suffix) >= limit:
-                continue  # no room for the results and a reply: the episode ends here (as TRL drops them)
+            if self.room(episode, extra=len(suffix)) < 1:
+                # no room for the results and a reply (in response_length or the engine's context): the
+                # episode ends here, with the policy's turn (as TRL drops them)
+                continue
             episode.messages += messages
             episode.append(suffix, False, [0.0] * len(suffix), [0.0] * len(suffix))
             going_on.append(r)
@@ -297,13 +327,13 @@ def tool_setup(
     """Check a trainer's ``tools=`` before anything loads but the tokenizer: returns the
     :class:`Toolbox` (None without tools) and the policy's tokenizer (loaded with ``model`` when
     ``processing_class`` is None), and sets the trainer's ``prompt_chat_template_kwargs`` so the prompts are
-    rendered with the tools' schemas (the engine passes them to the prompts' chat template). Raises ``ValueError`` for what multi-turn rollouts do not support
-    yet (vLLM, dynamic sampling, ``truncate_after``, several processes) and for a chat template without tool support."""
+    rendered with the tools' schemas (the engine passes them to the prompts' chat template). Raises
+    ``ValueError`` for what multi-turn rollouts do not support yet (dynamic sampling, ``truncate_after``,
+    several processes) and for a chat template without tool support."""
     if tools is None or (isinstance(tools, (list, tuple)) and not tools):
         return None, processing_class
-    toolbox = Toolbox(tools)
+    toolbox = Toolbox(tools, timeout=args.tool_timeout)
     unsupported = {
-        "use_vllm=True": args.use_vllm,
         "dynamic_sampling=True": args.dynamic_sampling,
         f"truncate_after={args.truncate_after}": args.truncate_after,
         # each generation call is a collective under several processes, and episodes take different
@@ -314,8 +344,8 @@ def tool_setup(
     if given:
         raise ValueError(
             f"tools= (multi-turn tool rollouts) does not support {', '.join(given)} yet: tool episodes are "
-            "generated in one process with the builtin loop, every turn ending at its stop token. Leave "
-            "use_vllm, dynamic_sampling and truncate_after at their defaults, and train in one process."
+            "generated in one process, every turn ending at its stop token. Leave dynamic_sampling and "
+            "truncate_after at their defaults, and train in one process."
         )
     from ..onpolicy.setup import policy_tokenizer
 

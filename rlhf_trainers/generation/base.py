@@ -77,10 +77,23 @@ class SamplingSettings:
     top_p: float = 1.0
     #: Sample among tokens of probability >= min_p x the most likely token's; 0.0: all.
     min_p: float = 0.0
+    #: Each row's own limit (1 to ``max_new_tokens``), or None: ``max_new_tokens`` for every row. A
+    #: backend may stop a row at its limit (vLLM: each request's ``max_tokens``, so that a row whose context
+    #: leaves less room than ``max_new_tokens`` still fits the engine) or sample on to ``max_new_tokens``
+    #: (the builtin loop); the caller cuts each row at its limit. A multi-turn producer gives it: its
+    #: episodes have different numbers of tokens left.
+    row_max_new_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.row_max_new_tokens is not None and not all(
+            1 <= n <= self.max_new_tokens for n in self.row_max_new_tokens
+        ):
+            raise ValueError(
+                f"row_max_new_tokens={list(self.row_max_new_tokens)}: expected each between 1 and "
+                f"max_new_tokens={self.max_new_tokens}."
+            )
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
         if self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:

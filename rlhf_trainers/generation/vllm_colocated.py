@@ -243,6 +243,9 @@ class VLLMColocated:
         self.last_sync_seconds = 0.0
         self.sync_seconds = 0.0
         self.syncs = 0
+        #: The prompt tokens of the last ``sample`` call, and how many of them vLLM's prefix cache held.
+        self.last_prompt_tokens = 0
+        self.last_cached_tokens = 0
         self._synced_version: Hashable = object()
         self._partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # DeepSpeed ZeRO-3
         started = time.perf_counter()
@@ -427,19 +430,29 @@ class VLLMColocated:
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings
     ) -> Samples:
         """See :meth:`GenerationBackend.sample`: ``settings.max_new_tokens`` columns, ``pad_token_id`` after
-        a row's stop token; log-probs are vLLM's (after the temperature), entropies are not available
-        (None)."""
+        a row's stop token (or its ``settings.row_max_new_tokens``: each request's ``max_tokens``); log-probs
+        are vLLM's (after the temperature), entropies are not available (None). The stop tokens reach each
+        request's ``stop_token_ids``. :attr:`last_prompt_tokens` and :attr:`last_cached_tokens` count the
+        call's prompt tokens and those vLLM's prefix cache held already.
+
+        Raises:
+            ValueError: a row's prompt + its new tokens exceed the engine's context (``max_model_len``).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         rows = [
             ids[mask.bool()].tolist() for ids, mask in zip(query_ids.cpu(), query_mask.cpu(), strict=True)
         ]
-        longest = max((len(r) for r in rows), default=0)
-        if longest + settings.max_new_tokens > self.max_model_len:
+        limits = list(settings.row_max_new_tokens or [settings.max_new_tokens] * len(rows))
+        over = [
+            i for i, (r, n) in enumerate(zip(rows, limits, strict=True)) if len(r) + n > self.max_model_len
+        ]
+        if over:
+            i = over[0]
             raise ValueError(
-                f"A prompt of {longest} tokens + {settings.max_new_tokens} new tokens exceeds the vLLM engine's "
-                f"context of {self.max_model_len} tokens; raise vllm_max_model_length or shorten the prompts "
+                f"A prompt of {len(rows[i])} tokens + {limits[i]} new tokens exceeds the vLLM engine's context "
+                f"of {self.max_model_len} tokens; raise vllm_max_model_length or shorten the prompts "
                 "(max_prompt_length)."
             )
         if self.sleeps:
@@ -456,14 +469,14 @@ class VLLMColocated:
                 top_p=settings.top_p,
                 top_k=settings.top_k,
                 min_p=settings.min_p,
-                max_tokens=settings.max_new_tokens,
+                max_tokens=limit,
                 ignore_eos=True,  # only the trainer's stop tokens end a row
                 stop_token_ids=list(settings.stop_token_ids) or None,
                 logprobs=0 if settings.return_logprobs else None,
                 seed=seed,
                 detokenize=False,
             )
-            for seed in seeds
+            for seed, limit in zip(seeds, limits, strict=True)
         ]
         try:
             with _process_state_kept():
@@ -481,6 +494,8 @@ class VLLMColocated:
             )
         if self.sleeps:
             self.llm.sleep(level=1)
+        self.last_prompt_tokens = sum(len(r) for r in rows)
+        self.last_cached_tokens = sum(getattr(output, "num_cached_tokens", None) or 0 for output in outputs)
         width = settings.max_new_tokens
         tokens = torch.full((len(rows), width), settings.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(len(rows), width) if settings.return_logprobs else None

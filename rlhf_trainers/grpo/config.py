@@ -179,14 +179,6 @@ class GRPOConfig(TRLGRPOFields, TRLGenerationFields, OnPolicyConfig):
             refuse_unsupported(self)
         with problems.collect():
             resolve_grpo_aliases(self)
-        iterations = self.max_tool_calling_iterations
-        if iterations is not None and (
-            isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0
-        ):
-            problems.add(
-                f"max_tool_calling_iterations={iterations!r}: give the most tool turns per episode as an int >= 0, "
-                "or None for no limit but max_completion_length."
-            )
         if self.num_generations == 1:  # other bad values: _map_trl_names
             problems.add(
                 f"num_generations={self.num_generations}: GRPO's baseline is the mean of a prompt's group, "

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..agents.producer import MultiTurnProducer, tool_setup
+from ..agents.trainer import AgentRollouts
 from ..generation.factory import backend_summary
 from ..model_paths import check_model_paths
 from ..onpolicy.trainer import OnPolicyTrainer
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ..cpu import CPUOptions
 
 
-class GRPOTrainer(OnPolicyTrainer):
+class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
     """GRPO as a ``transformers.Trainer``, with the arguments of TRL's ``GRPOTrainer``.
 
     Args:
@@ -68,7 +68,7 @@ class GRPOTrainer(OnPolicyTrainer):
             template, which must support tool calling: :func:`~rlhf_trainers.agents.install_tool_chat_template`
             gives one), and each rollout is a multi-turn episode
             (:class:`~rlhf_trainers.agents.producer.MultiTurnProducer`, docs/agents.md) of at most
-            ``max_tool_calling_iterations`` tool turns. Builtin generation only (not ``use_vllm``).
+            ``max_tool_calling_iterations`` tool turns, each call limited to ``tool_timeout`` seconds.
     """
 
     _config_class = GRPOConfig
@@ -102,7 +102,6 @@ class GRPOTrainer(OnPolicyTrainer):
         tools: Sequence[Callable[..., Any]] | None = None,
     ) -> None:
         args = self._checked_args(args)
-        toolbox, processing_class = tool_setup(self, tools, args, processing_class, model)
         listed = isinstance(reward_funcs, (list, tuple))
         entries = list(reward_funcs) if listed else [reward_funcs]
         named = {
@@ -140,9 +139,8 @@ class GRPOTrainer(OnPolicyTrainer):
             reward_processing_class=reward_tokenizer,
             data_collator=data_collator,
             cpu_options=cpu_options,
+            tools=tools,
         )
-        if toolbox is not None:
-            self.producer = MultiTurnProducer(self, toolbox, args.max_tool_calling_iterations)
 
     @property
     def completions_per_prompt(self) -> int:  # type: ignore[override]

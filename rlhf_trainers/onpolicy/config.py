@@ -481,6 +481,22 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         },
     )
 
+    # ---- agents (tools=) ----------------------------------------------------------------------
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "With tools=: the most tool turns per episode (each runs the calls of an assistant turn and "
+            "lets the policy answer); None: no limit but the completion length (TRL's field and default)."
+        },
+    )
+    tool_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "With tools=: seconds one tool call may run; a call past it is recorded as the tool's error "
+            "and the episode goes on. None: no limit."
+        },
+    )
+
     # ---- data / models ----------------------------------------------------------------------
     dataset_num_proc: int | None = field(
         default=None, metadata={"help": "Processes for tokenizing the prompts (datasets.map num_proc)."}
@@ -538,6 +554,7 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         config_checks.check_sampling_fields(self, problems)
         config_checks.check_vllm_fields(self, problems)
         config_checks.check_reward_and_loss_fields(self, problems)
+        config_checks.check_agent_fields(self, problems)
         plugin = getattr(self, "deepspeed_plugin", None)  # from deepspeed= or accelerate launch's config
         if plugin is not None and isinstance(getattr(plugin, "deepspeed_config", None), dict):
             with problems.collect():

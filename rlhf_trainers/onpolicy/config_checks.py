@@ -211,3 +211,25 @@ def check_reward_and_loss_fields(config: Any, problems: ConfigProblems) -> None:
         )
     if config.overlong_penalty < 0:
         problems.add(f"overlong_penalty={config.overlong_penalty}: expected a number >= 0.")
+
+
+def check_agent_fields(config: Any, problems: ConfigProblems) -> None:
+    """``max_tool_calling_iterations`` (an int >= 0 or None) and ``tool_timeout`` (seconds > 0 or None)."""
+    iterations = config.max_tool_calling_iterations
+    if iterations is not None and (
+        isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0
+    ):
+        problems.add(
+            f"max_tool_calling_iterations={iterations!r}: give the most tool turns per episode as an int >= 0, "
+            "or None for no limit but the completion length."
+        )
+    timeout = config.tool_timeout
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        problems.add(
+            f"tool_timeout={timeout!r}: give the seconds one tool call may run as a number > 0, or None for no limit."
+        )

@@ -301,6 +301,9 @@ class SingleTurnProducer:
             per_source=scores.per_source,
             reward_func_errors=scores.reward_func_errors,
             loss_mask=written & in_loss[:, None],
+            inserted_tokens=None
+            if samples.loss_mask is None
+            else (samples.response_mask & ~samples.loss_mask).sum(1),
             group_ids=torch.arange(samples.response.shape[0], device=samples.response.device)
             % (samples.response.shape[0] // self.engine.completions_per_prompt),
             dynamic_sampling=scores.dynamic_sampling,

@@ -178,6 +178,9 @@ class Rollout:
     """(N, R) bool, the response tokens the policy wrote and the loss and the KL read; the producer sets it.
     In a single-turn rollout it is ``response_mask``; a multi-turn producer leaves the tokens it inserted
     (a tool's output, an environment's reply) out of it while they stay in the sequence."""
+    inserted_tokens: torch.Tensor | None = None
+    """(N,) long, the response tokens a producer inserted (tool turns), counted in ``lengths``; None: none.
+    TRL's length metrics (``completions/*_length``, ``num_tokens``) leave them out."""
     group_ids: torch.Tensor | None = None
     """(N,) long, the prompt group of each row (the completions of one prompt share it): ``i`` for row
     ``j * B + i`` in the single-turn layout."""

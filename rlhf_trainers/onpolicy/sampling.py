@@ -119,6 +119,7 @@ class PolicySampler:
         *,
         max_new_tokens: int | None = None,
         stop_ids: list[int] | None = None,
+        row_max_new_tokens: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """Sample (B, response_length) response ids from ``softmax(logits / temperature)`` with the
         :attr:`generation_backend`; rows end at a stop token only when generation may stop there (else
@@ -129,7 +130,9 @@ class PolicySampler:
         them (its own logits / temperature, in the generation's precision; 0 after a stop token).
 
         A multi-turn producer gives ``max_new_tokens`` (what is left of ``response_length``; None: all of
-        it) and ``stop_ids`` (the stop tokens and the end of an assistant turn; None: :attr:`stop_ids`)."""
+        it), ``stop_ids`` (the stop tokens and the end of an assistant turn; None: :attr:`stop_ids`) and
+        ``row_max_new_tokens`` (each row's own limit, :attr:`SamplingSettings.row_max_new_tokens`; the
+        caller cuts each row there)."""
         args = self.engine.args
         stops = self.stop_ids if stop_ids is None else stop_ids
         stop_in_generation = stops and args.truncate_after == 0
@@ -142,6 +145,7 @@ class PolicySampler:
             top_k=args.top_k,
             top_p=args.top_p,
             min_p=args.min_p,
+            row_max_new_tokens=None if row_max_new_tokens is None else tuple(row_max_new_tokens),
         )
         processes = self.engine.accelerator.num_processes
         failure: Exception | None = None

@@ -128,12 +128,14 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         value_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         cpu_options: CPUOptions | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
     ) -> None:
         args = self._checked_args(args)
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         check_inputs(type(self).__name__, args, train_dataset, paths, reward_funcs)  # before anything loads
+        processing_class = self.setup_tools(tools, args, processing_class, model)
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
 
@@ -166,7 +168,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             reward_model_reads_ids=self.reward_sources.same_tokenizer,
             value_model_given=value_model is not None,
             stats=self.preprocessing_stats,
-            chat_template_kwargs=getattr(self, "prompt_chat_template_kwargs", None),  # GRPO's tools=
+            chat_template_kwargs=getattr(self, "prompt_chat_template_kwargs", None),  # tools=
         )
         super().__init__(
             model=PolicyAndValue(models.policy, models.value_model),
@@ -219,8 +221,23 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.algorithm = self.objective_class(args, self.collectives)
         self.passes = ModelPasses(self, models.vocab)
         self.sampler = PolicySampler(self, stop_ids, self.cpu_options)
-        self.producer: RolloutProducer = SingleTurnProducer(self)
+        self.producer: RolloutProducer = self.make_producer()
         self.loop = OptimizationLoop(self)
+
+    def setup_tools(
+        self, tools: Sequence[Callable[..., Any]] | None, args: Any, processing_class: Any, model: Any
+    ) -> Any:
+        """Check ``tools=`` before the models load; returns the policy's tokenizer. The engine alone takes
+        none (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
+        if tools:
+            raise ValueError(
+                f"{type(self).__name__} takes no tools=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
+            )
+        return processing_class
+
+    def make_producer(self) -> RolloutProducer:
+        """The rollout producer of this run (the seam where multi-turn rollouts plug in): one turn per row."""
+        return SingleTurnProducer(self)
 
     def accelerator_arguments(self, **kwargs: Any) -> dict[str, Any]:
         """Trainer's accelerator arguments without a compiling dynamo plugin: ``torch_compile`` is the
@@ -513,7 +530,9 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
             trl, tokens = trl_sample_metrics(
                 rollout.raw_scores,
                 rollout.per_source,
-                rollout.lengths,
+                rollout.lengths
+                if rollout.inserted_tokens is None
+                else rollout.lengths - rollout.inserted_tokens,
                 rollout.found_stop,
                 rollout.query_mask.sum(1),
                 self.collectives,

@@ -25,8 +25,10 @@ class PPOObjective(Objective):
     def advantages(self, rollout: Rollout, rewards: torch.Tensor, kl_coef: float) -> Advantages:
         """GAE over the value model's estimates (``gamma``, ``lam``, ``lam_value``, length-adaptive lam);
         the advantages whitened over all processes (``whiten_advantages``), the returns are the value
-        targets."""
-        mask = rollout.response_mask
+        targets. Over the tokens the policy wrote (``Rollout.policy_mask``): a multi-turn episode's tool
+        turns are skipped by GAE's carry-forward masking (the last token of an assistant turn bootstraps
+        from the first token of the next one), so an episode is one sequence of the policy's tokens."""
+        mask = rollout.policy_mask
         estimator = F.get_advantage_estimator(self.advantage_estimator)
         advantages, returns = estimator(self.advantage_inputs(rollout, rewards, kl_coef, group_size=1))
         if self.args.whiten_advantages:
@@ -54,7 +56,7 @@ class PPOObjective(Objective):
             rollout, advantages.advantages[rows], rows, logprobs, normalization, weights, entropy
         )
         assert values is not None, "PPO's loss needs the value model's values"
-        mask = rollout.response_mask[rows]
+        mask = rollout.policy_mask[rows]  # the critic is trained at the policy's tokens only
         vf_loss, vm = F.clipped_value_loss(
             values, rollout.values[rows], advantages.returns[rows], mask, args.cliprange_value, **aggregation
         )
@@ -67,8 +69,8 @@ class PPOObjective(Objective):
         return loss, metrics
 
     def metrics(self, rollout: Rollout, advantages: Advantages) -> dict[str, float]:
-        """NeMo RL's critic metrics over the valid tokens of all processes."""
-        mask = rollout.response_mask
+        """NeMo RL's critic metrics over the policy's valid tokens of all processes."""
+        mask = rollout.policy_mask
         v = rollout.values[mask].double()
         r = advantages.returns[mask].double()
         a = advantages.advantages[mask].double()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..agents.trainer import AgentRollouts
 from ..distributed import copy_model, full_state_dict, gathered, load_full_state_dict
 from ..models import _base, _is_peft_model, check_one_label, find_score_head, load_reward_model
 from ..onpolicy.trainer import OnPolicyTrainer
@@ -75,7 +76,7 @@ def value_model_from_policy(policy: PreTrainedModel) -> PreTrainedModel:
     return value
 
 
-class PPOTrainer(OnPolicyTrainer):
+class PPOTrainer(AgentRollouts, OnPolicyTrainer):
     """PPO for language models (LHPD's algorithm, with TRL's interface), as a ``transformers.Trainer``.
 
     Args:
@@ -101,6 +102,10 @@ class PPOTrainer(OnPolicyTrainer):
         callbacks, optimizers, data_collator: as in ``transformers.Trainer``.
         cpu_options: the CPU speed switches (:class:`~rlhf_trainers.CPUOptions`, docs/cpu.md); None: their
             defaults, the automatic choices.
+        tools: functions (plain or ``async``, typed, with Google-style docstrings) the policy may call, as
+            TRL's ``GRPOTrainer(tools=)``: each rollout is a multi-turn episode (docs/agents.md); the tool
+            turns are in the sequence the policy and the critic read, but out of the loss, the KL, the
+            advantages and the value loss. ``max_tool_calling_iterations`` and ``tool_timeout`` bound it.
     """
 
     _config_class = PPOConfig

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import functional as F
+from ..agents.trainer import AgentRollouts
 from ..onpolicy.trainer import OnPolicyTrainer
 from ..rewards import split_reward_funcs
 from .config import RLOOConfig
@@ -50,7 +51,7 @@ def leave_one_out(values: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
     return F.rloo_advantages(values, k, valid=valid)
 
 
-class RLOOTrainer(OnPolicyTrainer):
+class RLOOTrainer(AgentRollouts, OnPolicyTrainer):
     """REINFORCE Leave-One-Out (Ahmadian et al., 2024; the RLOO blog) as a ``transformers.Trainer``.
 
     Args:
@@ -71,7 +72,7 @@ class RLOOTrainer(OnPolicyTrainer):
             ``RLOOConfig.reward_weights`` (reward model first); as in TRL 1.x, the list may also hold one
             reward model (instance or path; its tokenizer in ``reward_processing_classes``), in which
             case ``reward_weights`` follow the list's order.
-        peft_config, callbacks, optimizers, data_collator, cpu_options: as for
+        peft_config, callbacks, optimizers, data_collator, cpu_options, tools: as for
             :class:`~rlhf_trainers.PPOTrainer`.
 
     The aliases are the names of the RLOO blog's snippet (TRL's first RLOOTrainer), so that code runs
@@ -109,6 +110,7 @@ class RLOOTrainer(OnPolicyTrainer):
         ref_policy: str | os.PathLike[str] | PreTrainedModel | None = None,
         reward_processing_classes: Any = None,
         cpu_options: CPUOptions | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
     ) -> None:
         model = _alias("model", model, "policy", policy)
         ref_model = _alias("ref_model", ref_model, "ref_policy", ref_policy)
@@ -142,6 +144,7 @@ class RLOOTrainer(OnPolicyTrainer):
             reward_processing_class=reward_processing_class,
             data_collator=data_collator,
             cpu_options=cpu_options,
+            tools=tools,
         )
 
     @property

@@ -50,7 +50,7 @@ def output_dir(name: str) -> str:
 def size(kind: str) -> dict[str, Any]:
     """The config fields that size a script for this machine, the same for TRL and ours.
 
-    `kind` is ``"grpo"``, ``"rloo"`` or ``"reward"``. Both sides get float32 (``bf16=False``: TRL's
+    `kind` is ``"grpo"``, ``"rloo"``, ``"agent"`` (tool episodes) or ``"reward"``. Both sides get float32 (``bf16=False``: TRL's
     default is bf16), no gradient checkpointing (TRL's default is on) and no saving, so the comparison
     is of the trainers, not of their defaults (docs/coming-from-trl.md lists those).
     """
@@ -70,10 +70,19 @@ def size(kind: str) -> dict[str, Any]:
         if kind == "rloo":
             common["beta"] = 0.05
         return common
+    if kind == "agent":  # multi-turn episodes: room for a call, its result and an answer
+        common.update(
+            per_device_train_batch_size=16 if real else 8,
+            num_generations=4,
+            max_completion_length=256 if real else 64,
+            learning_rate=1e-5 if real else 1e-4,
+            temperature=1.0,
+        )
+        return common
     if kind == "reward":
         common.update(per_device_train_batch_size=16 if real else 8, learning_rate=5e-5 if real else 1e-3)
         return common
-    raise ValueError(f"kind={kind!r}: must be 'grpo', 'rloo' or 'reward'")
+    raise ValueError(f"kind={kind!r}: must be 'grpo', 'rloo', 'agent' or 'reward'")
 
 
 def _arithmetic(rng: random.Random) -> tuple[int, int, int]:
@@ -115,6 +124,18 @@ def _math_and_code(rng: random.Random, n: int) -> dict[str, list[Any]]:
             prompts.append(f"Write a Python function that returns the {op} of two numbers.")
             tasks.append("code")
     return {"prompt": prompts, "task": tasks}
+
+
+def _arithmetic_tools(rng: random.Random, n: int) -> dict[str, list[Any]]:
+    """Conversational questions a calculator answers (multi-digit products and sums), with an ``answer``
+    column: the task of TRL's tools example."""
+    prompts, answers = [], []
+    for i in range(n):
+        a, b = rng.randint(12, 99), rng.randint(12, 99)
+        op, value = ("*", a * b) if i % 2 == 0 else ("+", a + b)
+        prompts.append([{"role": "user", "content": f"What is {a} {op} {b}? Use the tools."}])
+        answers.append(str(value))
+    return {"prompt": prompts, "answer": answers}
 
 
 def _tldr(rng: random.Random, n: int) -> dict[str, list[Any]]:
@@ -164,6 +185,7 @@ _BUILDERS = {
     "trl-lib/tldr": _tldr,
     "trl-lib/ultrafeedback_binarized": _ultrafeedback,
     "offline/boxed-arithmetic": _boxed_arithmetic,
+    "offline/arithmetic-tools": _arithmetic_tools,
     "offline/math-and-code": _math_and_code,
     "offline/standard-preference": _standard_preference,
     "offline/implicit-preference": _implicit_preference,
