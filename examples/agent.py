@@ -45,7 +45,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-ALGORITHMS = ("grpo", "ppo")
+ALGORITHMS = ("grpo", "ppo", "rloo")
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -68,7 +68,8 @@ WORKED_EXAMPLE: list[dict[str, Any]] = [
     {"role": "assistant", "content": "123 * 45 = 5535"},
 ]
 
-#: Settings used when the flag is not given (GRPO's names; PPO's are mapped by :func:`_with_defaults`).
+#: Settings used when the flag is not given, in GRPO's names (:func:`_with_defaults` maps them to PPO's and
+#: RLOO's, which also get :data:`ONPOLICY_DEFAULTS`). 16 episodes per update, each trained on once.
 DEFAULTS: dict[str, Any] = {
     "use_peft": True,
     "learning_rate": 1e-3,
@@ -86,8 +87,10 @@ DEFAULTS: dict[str, Any] = {
     "num_sample_generations": 0,
     "disable_tqdm": True,
 }
-#: PPO's names for GRPO's (the KL term is PPO's reward penalty).
-PPO_NAMES = {"beta": "kl_coef", "max_completion_length": "response_length"}
+#: PPO's and RLOO's names for GRPO's (their KL term is a reward penalty; RLOO's k is num_generations).
+ONPOLICY_NAMES = {"beta": "kl_coef", "max_completion_length": "response_length", "num_generations": "rloo_k"}
+#: PPO's and RLOO's own defaults: one epoch over one mini-batch (GRPO's num_iterations 1).
+ONPOLICY_DEFAULTS = {"num_ppo_epochs": 1, "num_mini_batches": 1}
 
 
 def multiply(a: int, b: int) -> int:
@@ -242,9 +245,11 @@ def _with_defaults(argv: list[str], algorithm: str) -> list[str]:
     from rlhf_trainers.scripts._common import flag_given
 
     defaults = dict(DEFAULTS)
+    if algorithm != "grpo":
+        defaults = {ONPOLICY_NAMES.get(name, name): value for name, value in defaults.items()}
+        defaults |= ONPOLICY_DEFAULTS
     if algorithm == "ppo":
-        defaults = {PPO_NAMES.get(name, name): value for name, value in defaults.items()}
-        defaults.pop("num_generations")
+        defaults.pop("rloo_k")  # PPO: one episode per prompt, a critic for the baseline
     return [f"--{name}={value}" for name, value in defaults.items() if not flag_given(name, argv)] + argv
 
 
@@ -266,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if known.algorithm == "ppo":
         from rlhf_trainers import PPOConfig as Config
         from rlhf_trainers import PPOTrainer as Trainer
+    elif known.algorithm == "rloo":
+        from rlhf_trainers import RLOOConfig as Config
+        from rlhf_trainers import RLOOTrainer as Trainer
     else:
         from rlhf_trainers import GRPOConfig as Config
         from rlhf_trainers import GRPOTrainer as Trainer
@@ -324,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "kl_coef",
                 "per_device_train_batch_size",
                 "num_generations",
+                "rloo_k",
+                "num_ppo_epochs",
                 "max_completion_length",
                 "response_length",
                 "max_tool_calling_iterations",

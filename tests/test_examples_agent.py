@@ -109,7 +109,7 @@ def test_bad_flags_fail_early():
         agent.AgentArguments(algorithm="dpo")
 
 
-@pytest.mark.parametrize("algorithm", ["grpo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "rloo"])
 def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, algorithm):
     """examples/agent.py end to end on the kit's tiny Llama (our template in its 'tags' style, LoRA on):
     2 updates, one curve row per update with success, tool use and TRL's tool metrics."""
