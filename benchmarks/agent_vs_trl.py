@@ -16,7 +16,8 @@ knows other models' templates) from which ``parse_response`` reads the ``<tool_c
 The same settings on both sides (:data:`SETTINGS`, the example's defaults): LoRA r 16 / alpha 32 on
 every linear layer, learning rate 1e-3, temperature 0.7, 16 episodes per update (2 prompts x 8
 generations), at most 64 completion tokens per episode (tool turns included), at most one tool turn,
-beta 0, TRL's loss defaults on both sides, reward = success (+ ``--tool-reward`` x tool use).
+beta 0, TRL's loss defaults on both sides, no gradient checkpointing (TRL's default turns it on), reward =
+success (+ ``--tool-reward`` x tool use).
 
 The measure: per update, on that update's own episodes (new prompts every update), the share of
 episodes whose final answer is the product (``success``) and that called the tool without an error
@@ -139,6 +140,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
         report_to="none",
         use_cpu=True,
         bf16=False,
+        gradient_checkpointing=False,  # TRL's default is True; ours has none (as vs_trl_worker.py)
         disable_tqdm=True,
     )
     clock = agent._Clock()
@@ -238,7 +240,7 @@ def table(results: dict[str, Any]) -> str:
         "| side | seed | success first 3 -> last 3 | tool use first 3 -> last 3 | episodes/s | seconds |",
         "|---|---:|---|---|---:|---:|",
     ]
-    for key, run in sorted(results["runs"].items()):
+    for _, run in sorted(results["runs"].items()):
         s = summary(run)
         lines.append(
             f"| {run['impl']} | {run['seed']} | {s['success_first']} -> {s['success_last']} | "

