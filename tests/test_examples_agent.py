@@ -150,3 +150,13 @@ def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, algorithm):
         assert 0.0 <= row["success"] <= 1.0 and 0.0 <= row["tool_use"] <= 1.0
         assert row["call_frequency"] is not None and row["seconds"] > 0
     assert written["settings"]["tool_reward"] == 0.1 and written["settings"]["lora_r"] == 16
+
+
+def test_defaults_follow_the_algorithm_and_give_way_to_flags():
+    grpo = agent._with_defaults([], "grpo")
+    assert "--num_generations=8" in grpo and "--max_completion_length=64" in grpo
+    ppo = agent._with_defaults(["--tool_reward", "0"], "ppo")
+    assert "--learning_rate=0.0005" in ppo and "--response_length=64" in ppo and "--kl_coef=0.0" in ppo
+    assert not any(flag.startswith(("--rloo_k", "--num_generations", "--tool_reward=")) for flag in ppo)
+    rloo = agent._with_defaults([], "rloo")
+    assert "--rloo_k=8" in rloo and "--learning_rate=0.001" in rloo and "--tool_reward=0.1" not in rloo
