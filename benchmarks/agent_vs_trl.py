@@ -235,6 +235,18 @@ def summary(run: dict[str, Any], n: int = 3) -> dict[str, Any]:
     }
 
 
+def machine_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``) and core count."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} CPU cores"
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
         "| side | seed | success first 3 -> last 3 | tool use first 3 -> last 3 | episodes/s | seconds |",
@@ -263,6 +275,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--tag", default="", help="suffix of the JSON's name")
     parser.add_argument("--force", action="store_true", help="rerun seeds and sides already in the JSON")
+    parser.add_argument("--note", help="a note kept in the JSON (e.g. that the machine was shared)")
     args = parser.parse_args()
     if args.trl_worker:
         spec = json.loads(Path(args.trl_worker).read_text())
@@ -282,10 +295,12 @@ def main() -> None:
         {
             "task": "examples/agent.py: 3-digit x 2-digit multiplication with a multiply tool",
             "settings": SETTINGS | {"tool_reward": args.tool_reward, "updates": args.updates},
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
+            "machine": machine_name(),
             "threads": args.threads,
         }
     )
+    if args.note:
+        results["note"] = args.note
     for seed in [int(seed) for seed in args.seeds.split(",")]:
         for impl in impls:
             key = f"{impl}-{seed}"
