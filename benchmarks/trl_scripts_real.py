@@ -45,6 +45,24 @@ NAME = "trl_scripts_real"
 ALL = sorted(p.stem for p in SCRIPTS.glob("*.py") if not p.name.startswith(("_", "run_")))
 
 
+def tool_model(policy: str, work: Path) -> str:
+    """A copy of the `policy` folder whose tokenizer has our tool chat template (SmolLM2's renders no
+    tools), for the scripts with tools or environments (``_offline.TOOL_MODEL``); both sides load it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rlhf_trainers.agents import install_tool_chat_template
+
+    folder = work / "policy-tools"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(policy, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    install_tool_chat_template(tokenizer)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def curve_key(script: str) -> str:
     """The logged figure whose curve is compared: reward modeling's accuracy, else the mean reward."""
     return "accuracy" if script.startswith("reward") else "reward"
@@ -179,6 +197,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     policy = prepare(Path(args.work), "addition", 8, 8)["policy"]
     env = {**os.environ, "TRL_SCRIPTS_MODEL": policy, "TRL_SCRIPTS_SCALE": "real"}
+    env["TRL_SCRIPTS_TOOL_MODEL"] = tool_model(policy, work)
     env.update(TRL_SCRIPTS_STEPS=str(args.steps), TRL_SCRIPTS_OUTPUT=str(work / "out"))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
     pythons = {"trl": args.trl_python, "ours": args.ours_python}

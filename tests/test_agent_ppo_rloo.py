@@ -193,3 +193,14 @@ def test_bad_tool_timeout_is_refused_at_construction(tmp_path, value):
 def test_bad_iterations_are_refused_for_ppo(tmp_path):
     with pytest.raises(ValueError, match=r"max_tool_calling_iterations=1.5"):
         PPOConfig(output_dir=str(tmp_path), max_tool_calling_iterations=1.5, use_cpu=True, report_to="none")
+
+
+def test_truncated_tool_prompts_say_the_tools_were_cut(kit, tmp_path, caplog):
+    """Our max_prompt_length truncates from the left, where a tool run's prompt describes the tools: the
+    warning says so and names the fix (TRL keeps prompts whole)."""
+    with caplog.at_level("WARNING", logger="rlhf_trainers"):
+        _trainer(kit, tmp_path, RLOOTrainer)  # max_prompt_length=48: every prompt is cut
+    assert any(
+        "truncated from the left" in r.message and "max_prompt_length=None" in r.message
+        for r in caplog.records
+    ), [r.message for r in caplog.records]

@@ -81,13 +81,14 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 #: it is acted on at the end of the next update, which then writes its own checkpoint.
 OTHER_INTERRUPTION = {
     "ppo": ("rollout", "INT", 3, 3),
+    "ppo-agent": ("rollout", "INT", 3, 3),  # PPO with tools, on the kit agent: real multi-turn episodes
     "rloo": ("save", "TERM", 2, 3),
     "reward": ("save", "INT", 2, 3),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ppo", "rloo", "reward"])
+@pytest.mark.parametrize("kind", ["ppo", "rloo", "reward", "ppo-agent"])
 def test_sigkill_while_saving_and_sigterm_mid_update_resume_like_an_uninterrupted_run(kind, tmp_path):
     full = tmp_path / "full"
     _ok(_run(kind, full, "full"))

@@ -3,8 +3,8 @@
 Each script of ``tests/trl_scripts/`` is written as TRL's documentation writes it (the GRPO quick start
 with conversational prompts, several weighted reward functions with an extra column, ``None`` rewards,
 async reward functions, LoRA, RLOO with TRL 1.x's names, reward modeling on standard, implicit-prompt
-and conversational preferences, a callback with an evaluation dataset), importing ``rlhf_trainers``
-where TRL's imports ``trl``. Here each runs on the offline kit's SFT model in a subprocess, exactly as a
+and conversational preferences, a callback with an evaluation dataset, a custom ``rollout_func``),
+importing ``rlhf_trainers`` where TRL's imports ``trl``. Here each runs on the offline kit's SFT model in a subprocess, exactly as a
 user runs it (``python script.py``), and the test checks what a TRL user reads: the number of optimizer
 steps, TRL's logged keys, the final ``train_runtime``/``train_loss`` entry and the script's own
 output. ``benchmarks/trl_scripts_real.py`` runs the same scripts on SmolLM2-135M-Instruct with TRL 1.16
@@ -40,7 +40,7 @@ ALL = sorted(p.stem for p in SCRIPTS.glob("*.py") if not p.name.startswith(("_",
 
 def test_every_script_differs_from_trl_by_its_imports_only() -> None:
     """``run_script.py --trl`` (the benchmark's TRL side) changes the import lines and nothing else."""
-    assert len(ALL) >= 11, ALL  # the glob found the scripts
+    assert len(ALL) >= 13, ALL  # the glob found the scripts
     for name in ALL:
         text = (SCRIPTS / f"{name}.py").read_text()
         changed = [
@@ -64,9 +64,32 @@ def kit_model() -> str:
     return str(get_kit().model_path("llama-sft"))
 
 
-def run(name: str, model: str, tmp_path: Path) -> tuple[dict, str]:
+@pytest.fixture(scope="module")
+def kit_tool_model(kit_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The kit's SFT model with our tool chat template (its own renders no tools) and 1024 positions in its
+    config (the kit's 256 hold no tool schema and a response; its rotary positions extend), for the
+    scripts with tools or environments (``_offline.TOOL_MODEL``)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rlhf_trainers.agents import install_tool_chat_template
+
+    folder = tmp_path_factory.mktemp("tool-model") / "llama-sft-tools"
+    shutil.copytree(kit_model, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    install_tool_chat_template(tokenizer, tools_instruction="Tools:")
+    tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    return str(folder)
+
+
+def run(name: str, model: str, tmp_path: Path, tool_model: str | None = None) -> tuple[dict, str]:
     """Run script `name` on the kit as a user does; its log record and its output."""
     env = {**os.environ, "TRL_SCRIPTS_MODEL": model, "TRL_SCRIPTS_SCALE": "kit"}
+    if tool_model is not None:
+        env["TRL_SCRIPTS_TOOL_MODEL"] = tool_model
     env.update(TRL_SCRIPTS_STEPS=str(STEPS), TRL_SCRIPTS_OUTPUT=str(tmp_path / "out"))
     log = tmp_path / "log.json"
     proc = subprocess.run(
@@ -88,8 +111,11 @@ def steps(record: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if n.startswith(("grpo", "rloo"))])
-def test_grpo_and_rloo_scripts(name: str, kit_model: str, tmp_path: Path) -> None:
-    record, out = run(name, kit_model, tmp_path)
+def test_grpo_and_rloo_scripts(
+    name: str, kit_model: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    tool_model = request.getfixturevalue("kit_tool_model") if name == "grpo_environment" else None
+    record, out = run(name, kit_model, tmp_path, tool_model)
     logs = steps(record)
     assert len(logs) == STEPS
     for entry in logs:
@@ -105,16 +131,26 @@ def test_grpo_and_rloo_scripts(name: str, kit_model: str, tmp_path: Path) -> Non
         "grpo_none_rewards": ["coding_reward_func", "math_reward_func"],
         "grpo_async_rewards": ["async_reward_func", "async_unique_chars", "reward_func"],
         "grpo_lora": ["reward_func"],
+        "grpo_rollout_func": ["reward_from_env"],
+        "grpo_environment": ["IncrementEnv", "format_reward"],  # get_reward, named after the class
     }[name]
     assert funcs == expected, funcs
     if name == "grpo_reward_weights":
         for entry in logs:  # no None here: the weighted sum of the means is the mean reward
             weighted = entry["rewards/reward_func/mean"] + 0.5 * entry["rewards/format_reward_func/mean"]
             assert entry["reward"] == pytest.approx(weighted, abs=1e-5)
+    if name == "grpo_environment":
+        for entry in logs:  # TRL's: get_reward has weight 1 beside reward_funcs; the kit never calls the tool
+            assert entry["tools/call_frequency"] == 0.0 and entry["rewards/IncrementEnv/mean"] == 0.0
+            assert entry["reward"] == pytest.approx(entry["rewards/format_reward/mean"], abs=1e-6)
+        assert any(entry["reward"] > 0 for entry in logs)  # the sum is not trivially 0 + 0
     if name == "grpo_async_rewards":
         assert all(
             entry["rewards/async_reward_func/mean"] == 1.0 for entry in logs
         )  # awaited, not a coroutine
+    if name == "grpo_rollout_func":  # TRL's call: 2 prompts x num_generations=4, each prompt 4 times
+        assert record["metrics"] == {"prompts_per_call": [8, 8]}, record["metrics"]
+        assert all(-1.0 <= entry["rewards/reward_from_env/mean"] <= 0.0 for entry in logs)  # env_reward's
     if name == "rloo_trl_names":  # TRL 1.x's steps: one optimizer step per generation of 8 completions
         assert [e["episode"] for e in logs] == [8, 16]
     if name == "grpo_callback_eval":
@@ -138,30 +174,10 @@ def test_reward_modeling_scripts(name: str, kit_model: str, tmp_path: Path) -> N
         assert math.isfinite(entry["loss"]) and 0.0 <= entry["accuracy"] <= 1.0
 
 
-@pytest.fixture(scope="module")
-def kit_tool_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The kit's SFT model with a tool-capable chat template saved beside it (as a tool-calling
-    checkpoint ships one; ours, with a short instruction) and room for the tools' schemas in the prompt
-    (RoPE: the kit's 256 positions are a config value, not a table)."""
-    from transformers import AutoConfig
-
-    from rlhf_trainers.agents import install_tool_chat_template
-    from rlhf_trainers.testing import get_kit
-
-    kit = get_kit()
-    folder = tmp_path_factory.mktemp("kit-tools")
-    model = kit.load_model("llama-sft")
-    model.config.max_position_embeddings = 1024
-    model.save_pretrained(folder)
-    install_tool_chat_template(kit.load_tokenizer(), tools_instruction="Tools:").save_pretrained(folder)
-    assert AutoConfig.from_pretrained(folder).max_position_embeddings == 1024
-    return str(folder)
-
-
-def test_agent_tools_script(kit_tool_model: str, tmp_path: Path) -> None:
+def test_agent_tools_script(kit_model: str, kit_tool_model: str, tmp_path: Path) -> None:
     """TRL's tools example: the episodes are conversations the rewards read as TRL passes them, TRL's
     tool metrics are logged, and the prompts offered both tools."""
-    record, _ = run("agent_tools", kit_tool_model, tmp_path)
+    record, _ = run("agent_tools", kit_model, tmp_path, kit_tool_model)
     logs = steps(record)
     assert len(logs) == STEPS
     for entry in logs:

@@ -9,6 +9,8 @@
   otherwise.
 - :func:`supports_tool_calling` / :func:`check_tool_calling`: whether a chat template can hold a
   tool-calling conversation; :func:`install_tool_chat_template` gives one that cannot (SmolLM2's) ours.
+- :class:`EnvironmentSet` / :class:`EnvironmentReward`: TRL's ``environment_factory`` (one environment per
+  episode, its methods the tools, its ``get_reward`` a reward source; docs/agents.md, "Environments").
 """
 
 from .chat_template import (
@@ -19,6 +21,7 @@ from .chat_template import (
     tool_calling_problems,
     tool_chat_template,
 )
+from .environments import EnvironmentReward, EnvironmentSet
 from .parsing import ParsedResponse, parse_tool_calls, parse_tool_calls_in_tags
 from .tools import (
     Toolbox,
@@ -32,6 +35,8 @@ from .tools import (
 )
 
 __all__ = [
+    "EnvironmentReward",
+    "EnvironmentSet",
     "ParsedResponse",
     "ToolCall",
     "ToolChatTemplate",

@@ -63,6 +63,8 @@ class Episode:
     failures: int = 0
     turns: int = 0
     hit_iteration_limit: bool = False
+    toolbox: Toolbox | None = None
+    """This episode's tools (an environment's, bound to it); None: the producer's."""
 
     def append(self, ids: list[int], written: bool, logprobs: list[float], entropy: list[float]) -> None:
         self.ids += ids
@@ -110,16 +112,29 @@ class MultiTurnProducer(SingleTurnProducer):
         query = batch["input_ids"].to(device).repeat(copies, 1)
         query_mask = batch["attention_mask"].to(device).repeat(copies, 1).bool()
         prompts, columns = self._prompts_and_columns(batch)
-        episodes = [Episode(prompt_ids=query[i][query_mask[i]].tolist()) for i in range(query.shape[0])]
+        prompts = list(prompts) * copies
+        columns = {name: list(values) * copies for name, values in columns.items()}
+        query, query_mask, episodes = self.start_episodes(query, query_mask, prompts, columns)
         active = list(range(len(episodes)))
         iteration = 0
-        while active:
-            self._assistant_turns(episodes, active, query, query_mask, with_logprobs, timings, iteration == 0)
+        while calls := self._generation_calls(len(active)):
+            self._assistant_turns(
+                episodes, active, query, query_mask, with_logprobs, timings, iteration == 0, calls
+            )
             began = time.perf_counter()
             active = self._tool_turns(episodes, active, iteration)
             timings["timing/tools"] += time.perf_counter() - began
             iteration += 1
-        return self._responses(episodes, query, query_mask.bool(), prompts, columns, copies, with_logprobs)
+        return self._responses(episodes, query, query_mask.bool(), prompts, columns, with_logprobs)
+
+    def start_episodes(
+        self, query: torch.Tensor, query_mask: torch.Tensor, prompts: list[Any], columns: dict[str, list[Any]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Episode]]:
+        """The episodes of the rows (one per row of ``query``, with the producer's tools) and the
+        prompts they start from. An environment producer resets its environments here and may change
+        the rows' prompts (and ``prompts`` in place)."""
+        episodes = [Episode(prompt_ids=query[i][query_mask[i]].tolist()) for i in range(query.shape[0])]
+        return query, query_mask, episodes
 
     def _assistant_turns(
         self,
@@ -130,20 +145,26 @@ class MultiTurnProducer(SingleTurnProducer):
         with_logprobs: bool,
         timings: dict[str, float],
         first: bool,
+        calls: int,
     ) -> None:
-        """One assistant turn for each ``active`` episode, in chunks of ``local_rollout_forward_batch_size``
-        rows (one call for a backend that batches internally, vLLM); the first turn samples from the
-        collated prompts exactly as the single-turn producer does. Each row may write what is left of its
-        episode (:meth:`room`); the rows' limits go to the backend when they differ (vLLM stops each
-        request there, so a row with a long context never asks the engine for more than it holds)."""
+        """One assistant turn for each ``active`` episode, in chunks of :meth:`_chunk_rows` rows (one call
+        for a backend that batches internally, vLLM); the first turn samples from the collated prompts
+        exactly as the single-turn producer does. Each row may write what is left of its episode
+        (:meth:`room`); the rows' limits go to the backend when they differ (vLLM stops each request there,
+        so a row with a long context never asks the engine for more than it holds). ``calls``
+        (:meth:`_generation_calls`) is how many generation calls every process makes in this round: past
+        its own chunks a process makes :meth:`_idle_generation` calls."""
         engine = self.engine
-        step = engine.args.local_rollout_forward_batch_size
-        if engine.sampler.backend.batches_internally:
-            step = len(active)
+        step = self._chunk_rows(len(active))
         pad = engine.processing_class.pad_token_id
         # an episode without room (a prompt that fills the engine's context) ends here, empty
         active = [r for r in active if self.room(episodes[r]) > 0]
-        for start in range(0, len(active), step):
+        chunks = range(0, len(active), step) if active else range(0)
+        for _ in range(calls - len(chunks)):
+            began = time.perf_counter()
+            self._idle_generation(query, query_mask)
+            timings["timing/generate"] += time.perf_counter() - began
+        for start in chunks:
             rows = active[start : start + step]
             if first:
                 ids, mask = query[rows], query_mask[rows]
@@ -183,6 +204,36 @@ class MultiTurnProducer(SingleTurnProducer):
             room = min(room, context - len(episode.prompt_ids) - len(episode.ids) - extra)
         return room
 
+    def _chunk_rows(self, active: int) -> int:
+        """Rows per generation call in a round with ``active`` episodes: ``local_rollout_forward_batch_size``,
+        or all of them when the backend batches by itself."""
+        if self.engine.sampler.backend.batches_internally:
+            return max(active, 1)
+        return self.engine.args.local_rollout_forward_batch_size
+
+    def _generation_calls(self, active: int) -> int:
+        """How many generation calls the next round of assistant turns makes on every process (0: every
+        episode of every process has ended).
+
+        Under several processes each generation call is a collective (:meth:`PolicySampler.generate
+        <rlhf_trainers.onpolicy.sampling.PolicySampler.generate>` shares failures with an all-reduce; under
+        ZeRO-3 the weights are gathered per call, or the forward passes run in step), while episodes take
+        different numbers of turns on different processes. So the processes agree on one count per round
+        (the most chunks any of them needs, one all-reduce) and run as many rounds as the longest episode
+        of any process; one with fewer chunks makes idle calls (:meth:`_idle_generation`)."""
+        calls = -(-active // self._chunk_rows(active))
+        accelerator = self.engine.accelerator
+        if accelerator.num_processes == 1:
+            return calls
+        counts = self.engine.collectives.gather(torch.tensor([calls], device=accelerator.device))
+        return int(counts.max())
+
+    def _idle_generation(self, query: torch.Tensor, query_mask: torch.Tensor) -> None:
+        """A generation call whose tokens are thrown away (one row, one token), made by a process whose
+        episodes have all ended (or need fewer calls this round) while another's go on, so that it joins
+        the collectives of the others' calls."""
+        self.engine.sampler.generate(query[:1], query_mask[:1], max_new_tokens=1, stop_ids=self.stop_ids)
+
     def _take_turn(
         self,
         episode: Episode,
@@ -209,7 +260,8 @@ class MultiTurnProducer(SingleTurnProducer):
         episode.append(ids, True, logprobs, entropy)
         episode.turns += 1
         tokenizer = self.engine.processing_class
-        parsed = parse_tool_calls(ids, tokenizer, prefix=context, tools=self.toolbox.schemas)
+        toolbox = episode.toolbox if episode.toolbox is not None else self.toolbox
+        parsed = parse_tool_calls(ids, tokenizer, prefix=context, tools=toolbox.schemas)
         episode.messages.append(parsed.to_message())
         episode.pending_calls = list(parsed.tool_calls) if ended else []
 
@@ -224,7 +276,8 @@ class MultiTurnProducer(SingleTurnProducer):
             if self.max_iterations is not None and iteration >= self.max_iterations:
                 episode.hit_iteration_limit = True
                 continue
-            results = self.toolbox.execute(episode.pending_calls)
+            toolbox = episode.toolbox if episode.toolbox is not None else self.toolbox
+            results = toolbox.execute(episode.pending_calls)
             episode.calls += len(results)
             episode.failures += sum(not result.ok for result in results)
             messages = [result.to_message() for result in results]
@@ -270,7 +323,6 @@ class MultiTurnProducer(SingleTurnProducer):
         query_mask: torch.Tensor,
         prompts: list[Any],
         columns: dict[str, list[Any]],
-        copies: int,
         with_logprobs: bool,
     ) -> SampledResponses:
         """The episodes as right-padded (N, response_length) tensors, with the tool metrics."""
@@ -299,8 +351,8 @@ class MultiTurnProducer(SingleTurnProducer):
             response=response,
             response_mask=mask,
             lengths=lengths,
-            prompts=list(prompts) * copies,
-            columns={name: list(values) * copies for name, values in columns.items()},
+            prompts=prompts,
+            columns=columns,
             generation_logprobs=logprobs,
             generation_entropy=entropy,
             loss_mask=written,
@@ -313,8 +365,12 @@ class MultiTurnProducer(SingleTurnProducer):
     def score(self, samples: SampledResponses, timings: dict[str, float] | None = None) -> Scores:
         """The single-turn scoring of the whole episode (the reward functions get the conversation as
         ``completions`` for conversational prompts, the decoded episode otherwise); an episode "found
-        its stop token" when its last token is one (its last turn ended, not cut by the length limit)."""
+        its stop token" when its last token is one (its last turn ended, not cut by the length limit).
+        The scores' ``completions`` (what the sample tables and ``log_completions`` show) are the
+        conversations: assistant turns, tool calls and tool results."""
         scores = super().score(samples, timings)
+        if samples.conversations is not None:
+            scores.completions = [list(messages) for messages in samples.conversations]
         last = samples.response.gather(1, (samples.lengths - 1).clamp_min(0)[:, None])[:, 0]
         stops = torch.tensor(self.stop_ids, device=last.device)
         scores.found_stop = torch.isin(last, stops) & (samples.lengths > 0)
@@ -328,31 +384,33 @@ def tool_setup(
     :class:`Toolbox` (None without tools) and the policy's tokenizer (loaded with ``model`` when
     ``processing_class`` is None), and sets the trainer's ``prompt_chat_template_kwargs`` so the prompts are
     rendered with the tools' schemas (the engine passes them to the prompts' chat template). Raises
-    ``ValueError`` for what multi-turn rollouts do not support yet (dynamic sampling, ``truncate_after``,
-    several processes) and for a chat template without tool support."""
+    ``ValueError`` for what multi-turn rollouts do not support yet (dynamic sampling, ``truncate_after``)
+    and for a chat template without tool support."""
     if tools is None or (isinstance(tools, (list, tuple)) and not tools):
         return None, processing_class
     toolbox = Toolbox(tools, timeout=args.tool_timeout)
-    unsupported = {
-        "dynamic_sampling=True": args.dynamic_sampling,
-        f"truncate_after={args.truncate_after}": args.truncate_after,
-        # each generation call is a collective under several processes, and episodes take different
-        # numbers of turns: the processes would wait on each other
-        f"{args.world_size} processes": args.world_size > 1,
-    }
-    given = [name for name, value in unsupported.items() if value]
-    if given:
-        raise ValueError(
-            f"tools= (multi-turn tool rollouts) does not support {', '.join(given)} yet: tool episodes are "
-            "generated in one process, every turn ending at its stop token. Leave dynamic_sampling and "
-            "truncate_after at their defaults, and train in one process."
-        )
+    check_multi_turn_support(args, "tools= (multi-turn tool rollouts)")
     from ..onpolicy.setup import policy_tokenizer
 
     processing_class = policy_tokenizer(model, processing_class)
     check_tool_calling(processing_class, "The policy's tokenizer (processing_class)")
     trainer.prompt_chat_template_kwargs = {"tools": toolbox.schemas}
     return toolbox, processing_class
+
+
+def check_multi_turn_support(args: Any, what: str) -> None:
+    """Refuse the settings multi-turn rollouts do not support yet (dynamic sampling,
+    ``truncate_after``), naming ``what`` asked for them."""
+    unsupported = {
+        "dynamic_sampling=True": args.dynamic_sampling,
+        f"truncate_after={args.truncate_after}": args.truncate_after,
+    }
+    given = [name for name, value in unsupported.items() if value]
+    if given:
+        raise ValueError(
+            f"{what} does not support {', '.join(given)} yet: every turn of a tool episode ends at its stop "
+            "token. Leave dynamic_sampling and truncate_after at their defaults."
+        )
 
 
 def tool_metrics(episodes: list[Episode]) -> dict[str, list[float]]:

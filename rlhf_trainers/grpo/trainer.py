@@ -69,6 +69,19 @@ class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
             gives one), and each rollout is a multi-turn episode
             (:class:`~rlhf_trainers.agents.producer.MultiTurnProducer`, docs/agents.md) of at most
             ``max_tool_calling_iterations`` tool turns, each call limited to ``tool_timeout`` seconds.
+        environment_factory: TRL's ``environment_factory``: a zero-argument callable (e.g. a class) that
+            returns an environment, or a dict of them by name (each row's ``environment`` column picks
+            one). Each episode gets its own environment, reset with the row (``reset(**row)``; a string it
+            returns is appended to the prompt's last message); its public methods are the episode's tools
+            (with ``tools``), and its ``get_reward()``, if it has one, is a reward source of weight 1
+            named after its class (``reward_funcs`` may then be omitted); reward functions receive the
+            rows' environments as ``environments=``. See docs/agents.md, "Environments".
+        rollout_func: TRL's ``rollout_func(prompts, trainer) -> dict``: makes the completions instead of
+            the builtin sampler. It gets this process's prompts (each ``num_generations`` times in a row,
+            no chat template applied) and returns ``prompt_ids``, ``completion_ids`` and ``logprobs``
+            (None allowed), one entry per prompt, optionally ``env_mask`` (1 at the policy's tokens) and
+            fields forwarded to the reward functions
+            (:class:`~rlhf_trainers.agents.user_rollouts.UserRolloutProducer`, docs/agents.md).
     """
 
     _config_class = GRPOConfig
@@ -100,6 +113,8 @@ class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
         data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         cpu_options: CPUOptions | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
+        rollout_func: Callable[[list[Any], Any], Any] | None = None,
     ) -> None:
         args = self._checked_args(args)
         listed = isinstance(reward_funcs, (list, tuple))
@@ -120,10 +135,14 @@ class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
                 else [reward_funcs]
             )
             reward_funcs = [reward_model, *more]
-        reward_model, functions, reward_tokenizer, weights = split_reward_funcs(
-            reward_funcs, reward_processing_classes, args.reward_weights
-        )
-        args.reward_weights = weights
+        if reward_funcs is None and environment_factory is not None:
+            # TRL's: the environments' get_reward may be the only reward (checked once they are made)
+            functions, reward_tokenizer = [], None
+        else:
+            reward_model, functions, reward_tokenizer, weights = split_reward_funcs(
+                reward_funcs, reward_processing_classes, args.reward_weights
+            )
+            args.reward_weights = weights
         super().__init__(
             model=model,
             ref_model=ref_model,
@@ -140,6 +159,8 @@ class GRPOTrainer(AgentRollouts, OnPolicyTrainer):
             data_collator=data_collator,
             cpu_options=cpu_options,
             tools=tools,
+            environment_factory=environment_factory,
+            rollout_func=rollout_func,
         )
 
     @property

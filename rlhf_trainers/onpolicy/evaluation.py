@@ -37,7 +37,9 @@ def print_sample_table(
     """Print (or log at INFO) ``[score] prompt ||| completion`` lines of a sample table; through the
     trainer's progress display when given (which prints the run's first table and keeps the latest for its
     summary: :meth:`rlhf_trainers.display.TrainingDisplay.show_samples`)."""
-    text = "\n".join(f"  [{r['score']:+.3f}] {r['prompt']!s} ||| {r['completion']}" for r in rows)
+    text = "\n".join(
+        f"  [{r['score']:+.3f}] {_one_line(r['prompt'])} ||| {_one_line(r['completion'])}" for r in rows
+    )
     if to_log:
         logger.info("%s:\n%s", title, text)
     elif display is not None:
@@ -120,6 +122,7 @@ def evaluate(
     devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     reward_log = RewardLog()  # what the reward functions logged (log_metric), over the eval batches
+    extra: dict[str, list[float]] = defaultdict(list)  # the producer's own metrics (tools/*), likewise
     sources: dict[str, list[torch.Tensor]] = defaultdict(list)
     batches = 0
     samples_table: list[dict[str, Any]] = []
@@ -142,6 +145,7 @@ def evaluate(
                 sources[name].append(values.to(scores.total.device))
             if scores.reward_log is not None:
                 reward_log.update(scores.reward_log)
+            _add_extra_metrics(extra, samples.extra_metrics, keep[start : start + step].tolist())
             batches += 1
             if len(samples_table) < trainer.args.sample_table_size:
                 samples_table.extend(
@@ -150,6 +154,30 @@ def evaluate(
                         samples.prompts, scores.completions, scores.total.tolist(), strict=True
                     )
                 )
+    metrics = _gathered_metrics(trainer, parts, sources, reward_log, extra, keep, metric_key_prefix)
+    metrics.update(speed_metrics(metric_key_prefix, start_time, num_samples=n, num_steps=batches))
+    if trainer.is_world_process_zero() and samples_table:
+        title = f"evaluation samples at update {trainer.state.global_step}"
+        print_sample_table(samples_table[: trainer.args.sample_table_size], title, to_log=True)
+    trainer.log(metrics)
+    trainer.control = trainer.callback_handler.on_evaluate(
+        trainer.args, trainer.state, trainer.control, metrics
+    )
+    return metrics
+
+
+def _gathered_metrics(
+    trainer: Any,
+    parts: dict[str, list[torch.Tensor]],
+    sources: dict[str, list[torch.Tensor]],
+    reward_log: RewardLog,
+    extra: dict[str, list[float]],
+    keep: torch.Tensor,
+    metric_key_prefix: str,
+) -> dict[str, float]:
+    """The evaluation's metrics over all processes (the rows in ``keep``): the means of ``parts``, the
+    reward functions' and the producer's logged values, and TRL's names where the objective logs them.
+    A collective: every process calls it."""
     keep_all = trainer.collectives.gather(keep.float()).bool()
 
     def mean(values: list[torch.Tensor]) -> float:
@@ -158,9 +186,13 @@ def evaluate(
         return float(gathered[finite].mean()) if finite.any() else float("nan")
 
     metrics = {f"{metric_key_prefix}_{name}": mean(values) for name, values in parts.items()}
-    if trainer.reward_sources.may_log:  # the reward functions' log_metric values, as in training
-        for name, value in logged_metric_means(reward_log.metrics, trainer.collectives).items():
-            metrics.setdefault(f"{metric_key_prefix}_{name}", value)
+    # The reward functions' log_metric values and the producer's metrics (a tool run's tools/*), as in
+    # training. A collective: every process calls it, whatever it has.
+    logged = dict(reward_log.metrics) if trainer.reward_sources.may_log else {}
+    for name, values in extra.items():
+        logged.setdefault(name, []).extend(values)
+    for name, value in logged_metric_means(logged, trainer.collectives).items():
+        metrics.setdefault(f"{metric_key_prefix}_{name}", value)
     if trainer.algorithm.trl_metric_names:
         lengths = torch.cat(parts["val/response_length"])
         trl, _ = trl_sample_metrics(
@@ -174,15 +206,18 @@ def evaluate(
         )
         trl["num_tokens"] = float(trainer.state.num_input_tokens_seen)
         metrics.update({f"{metric_key_prefix}_{name}": value for name, value in trl.items()})
-    metrics.update(speed_metrics(metric_key_prefix, start_time, num_samples=n, num_steps=batches))
-    if trainer.is_world_process_zero() and samples_table:
-        title = f"evaluation samples at update {trainer.state.global_step}"
-        print_sample_table(samples_table[: trainer.args.sample_table_size], title, to_log=True)
-    trainer.log(metrics)
-    trainer.control = trainer.callback_handler.on_evaluate(
-        trainer.args, trainer.state, trainer.control, metrics
-    )
     return metrics
+
+
+def _add_extra_metrics(
+    into: dict[str, list[float]], metrics: dict[str, list[float]] | None, keep: list[bool]
+) -> None:
+    """Append a batch's ``SampledResponses.extra_metrics`` to ``into``; a metric with one value per row
+    keeps only the rows in ``keep`` (an eval batch's rows past the end of the dataset repeat others)."""
+    for name, values in (metrics or {}).items():
+        if len(values) == len(keep):
+            values = [value for value, kept in zip(values, keep, strict=True) if kept]
+        into[name].extend(values)
 
 
 def completions_table(trainer: Any) -> dict[str, list[Any]] | None:
@@ -216,10 +251,56 @@ def completions_table(trainer: Any) -> dict[str, list[Any]] | None:
     return table
 
 
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) for m in value)
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as text: a list of content blocks as their text parts joined."""
+    if isinstance(content, list):
+        return " ".join(
+            str(block.get("text", block)) if isinstance(block, dict) else str(block) for block in content
+        )
+    return "" if content is None else str(content)
+
+
+def message_lines(messages: list[dict[str, Any]]) -> list[str]:
+    """Chat messages as one line each (their text keeps its own line breaks): ``ROLE: content``; an
+    assistant turn's tool calls as ``-> name({"arg": value})`` after its content, a tool result as
+    ``TOOL name: content``. How sample tables show a prompt's messages and a tool episode's conversation
+    (the assistant turns, the calls and the tool results)."""
+    lines = []
+    for message in messages:
+        role = str(message.get("role", ""))
+        content = _content_text(message.get("content"))
+        if role == "tool":
+            name = message.get("name")
+            lines.append(f"TOOL {name}: {content}" if name else f"TOOL: {content}")
+            continue
+        calls = []
+        for call in message.get("tool_calls") or ():
+            function = call.get("function", call) if isinstance(call, dict) else {}
+            arguments = function.get("arguments", {})
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, default=str)
+            calls.append(f"-> {function.get('name', '?')}({arguments})")
+        lines.append(" ".join([f"{role.upper()}: {content}".rstrip(), *calls]))
+    return lines
+
+
 def _as_text(value: Any) -> str:
-    """A prompt or completion as text: chat messages as ``ROLE: content`` lines."""
-    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
-        return "\n".join(f"{str(m.get('role', '')).upper()}: {m.get('content', '')}" for m in value)
+    """A prompt or completion as text: chat messages (a prompt's, a tool episode's) one per line
+    (:func:`message_lines`)."""
+    if _is_messages(value):
+        return "\n".join(message_lines(value))
+    return str(value)
+
+
+def _one_line(value: Any) -> str:
+    """A prompt or completion on one line of a ``[score] prompt ||| completion`` table: messages joined by
+    `` | `` (:func:`message_lines`), line breaks shown as ``\\n``; text as it is."""
+    if _is_messages(value):
+        return " | ".join(line.replace("\n", "\\n") for line in message_lines(value))
     return str(value)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -431,3 +432,45 @@ def _logged_metrics(
     for name, values in extra.items():
         merged.setdefault(name, []).extend(values)
     return merged
+
+
+class ProducerHooks:
+    """The engine's hooks where a trainer changes how experience is collected, with the engine's own
+    behaviour (one turn per row; no tools, environments or ``rollout_func``). A mixin before the engine
+    overrides them (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs).
+    Before any model loads the engine calls ``default_train_dataset``, ``setup_rollouts`` and
+    ``extra_reward_sources``; ``make_producer`` once its parts exist."""
+
+    def default_train_dataset(self, train_dataset: Any, args: Any, environment_factory: Any) -> Any:
+        """The train dataset to use: ``train_dataset`` here (environments that own their data make one)."""
+        return train_dataset
+
+    def setup_rollouts(
+        self,
+        args: Any,
+        model: Any,
+        processing_class: Any,
+        *,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Any = None,
+        rollout_func: Callable[..., Any] | None = None,
+    ) -> Any:
+        """Check ``tools=``, ``environment_factory=`` and ``rollout_func=`` before the models load; returns
+        the policy's tokenizer. The engine alone takes none of them."""
+        given = {"tools=": bool(tools), "environment_factory=": environment_factory is not None}
+        given["rollout_func="] = rollout_func is not None
+        if any(given.values()):
+            names = ", ".join(name for name, value in given.items() if value)
+            raise ValueError(
+                f"{type(self).__name__} takes no {names}; use PPOTrainer, RLOOTrainer or GRPOTrainer."
+            )
+        return processing_class
+
+    def extra_reward_sources(self, args: Any) -> list[Any]:
+        """Reward sources the run adds after ``reward_funcs`` (weight 1 each): none here (environments'
+        ``get_reward`` with :class:`rlhf_trainers.agents.trainer.AgentRollouts`)."""
+        return []
+
+    def make_producer(self) -> RolloutProducer:
+        """The rollout producer of this run: one turn per row."""
+        return SingleTurnProducer(self)  # type: ignore[arg-type]

@@ -60,8 +60,9 @@ class SampledResponses:
 class Scores:
     """What the reward sources say about :class:`SampledResponses` (step 3)."""
 
-    completions: list[str]
-    """N decoded responses (special tokens skipped), what the reward functions scored."""
+    completions: list[Any]
+    """N decoded responses (special tokens skipped), what the reward functions scored; for a tool episode
+    its conversation (assistant and tool messages), what the sample tables show."""
     total: torch.Tensor
     """(N,) weighted sum of the reward sources, before shaping; NaN where a function gave no reward."""
     per_source: dict[str, torch.Tensor]
@@ -167,8 +168,8 @@ class Rollout:
     """() float, reward-function calls that raised in this rollout."""
     prompts: list[Any]
     """N prompts as given to the reward functions."""
-    completions: list[str]
-    """N decoded responses."""
+    completions: list[Any]
+    """N decoded responses; for a tool episode its conversation (assistant and tool messages)."""
     values: torch.Tensor | None = None
     """(N, R) float32 value-model estimates V(s_t) (PPO); None without a value model."""
     generation_logprobs: torch.Tensor | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,37 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
+
+
+def rollout_inputs(
+    trainer: Any,
+    args: OnPolicyConfig,
+    model: Any,
+    processing_class: Any,
+    train_dataset: Any,
+    paths: dict[str, Any],
+    reward_model: Any,
+    reward_funcs: Any,
+    options: dict[str, Any],
+) -> tuple[Any, Any, list[Any]]:
+    """What a trainer's construction checks before any model loads, through its producer hooks
+    (:class:`~rlhf_trainers.onpolicy.producer.ProducerHooks`): the train dataset (an environment may
+    own the data), the inputs (:func:`check_inputs`), the rollout ``options`` (``tools``,
+    ``environment_factory``, ``rollout_func``) and the reward sources they add; a run without any reward
+    is refused. Returns ``(train_dataset, processing_class, extra_reward_sources)``."""
+    environment_factory = options.get("environment_factory")
+    train_dataset = trainer.default_train_dataset(train_dataset, args, environment_factory)
+    # (with environments, get_reward may be the reward: checked once they are made)
+    rewarded = reward_funcs if environment_factory is None else True
+    check_inputs(type(trainer).__name__, args, train_dataset, paths, rewarded)
+    processing_class = trainer.setup_rollouts(args, model, processing_class, **options)
+    extra_rewards = trainer.extra_reward_sources(args)
+    if reward_model is None and not reward_funcs and not extra_rewards:
+        raise ValueError(
+            "No reward: pass reward_model=, reward_funcs=, or an environment_factory whose environments "
+            "define get_reward() (none of them does)."
+        )
+    return train_dataset, processing_class, extra_rewards
 
 
 def check_inputs(
@@ -294,14 +325,17 @@ def tokenize(
         chat_template_kwargs=chat_template_kwargs,
     )
     if stats[name].num_truncated:
+        # with tools the cut start is the system turn that describes them (TRL keeps prompts whole)
+        tools = " That start holds the tools' descriptions (tools=): set max_prompt_length=None to keep them."
         logger.warning(
             "%s dataset: %d of %d prompts were longer than max_prompt_length=%s tokens (longest %d) and were "
-            "truncated from the left.",
+            "truncated from the left.%s",
             name,
             stats[name].num_truncated,
             stats[name].num_rows,
             args.max_prompt_length,
             stats[name].longest,
+            tools if chat_template_kwargs and chat_template_kwargs.get("tools") else "",
         )
     return tokenized
 
@@ -365,15 +399,22 @@ def reward_sources(
     tokenizer: PreTrainedTokenizerBase,
     reward_funcs: Any,
     args: OnPolicyConfig,
+    extra_sources: Sequence[Any] = (),
 ) -> RewardSources:
     """Every reward source of the run: the reward model (if any) and the reward functions or sources,
-    weighted by ``reward_weights``."""
+    weighted by ``reward_weights``, then ``extra_sources`` (an environment's ``get_reward``), weight 1
+    each as in TRL (``reward_weights`` lists the others only)."""
+    weights = args.reward_weights
+    if extra_sources:
+        entries = RewardSources._as_entry_list(reward_funcs)
+        reward_funcs = [*entries, *extra_sources]
+        weights = None if weights is None else [*weights, *[1.0] * len(extra_sources)]
     return RewardSources(
         policy_tokenizer=tokenizer,
         reward_model=models.reward_model,
         reward_tokenizer=models.reward_processing_class,
         reward_funcs=reward_funcs,
-        reward_weights=args.reward_weights,
+        reward_weights=weights,
         batch_size=args.reward_batch_size,
         on_error=args.reward_func_errors,
         padding_free=args.padding_free,

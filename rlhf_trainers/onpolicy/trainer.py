@@ -58,18 +58,18 @@ from .metrics import Collectives, rollout_metrics, rollout_sampling_metrics, trl
 from .objective import Objective
 from .optimize import OptimizationLoop
 from .passes import ModelPasses
-from .producer import RolloutProducer, SingleTurnProducer
+from .producer import ProducerHooks, RolloutProducer
 from .rollout import Advantages, LossNormalization, Rollout
 from .sampling import PolicySampler
 from .setup import (
     batch_plan,
-    check_inputs,
     fill_deepspeed_bucket_sizes,
     load_models,
     policy_tokenizer,
     prepare_prompts,
     resolve_stop_ids,
     reward_sources,
+    rollout_inputs,
 )
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class OnPolicyTrainer(TrainerHooksMixin, Trainer):
+class OnPolicyTrainer(TrainerHooksMixin, ProducerHooks, Trainer):
     """The engine of :class:`~rlhf_trainers.PPOTrainer`, :class:`~rlhf_trainers.RLOOTrainer` and
     :class:`~rlhf_trainers.GRPOTrainer`.
 
@@ -129,13 +129,17 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         value_model: str | os.PathLike[str] | PreTrainedModel | None = None,
         cpu_options: CPUOptions | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
+        rollout_func: Callable[[list[Any], Any], Any] | None = None,
     ) -> None:
         args = self._checked_args(args)
         #: The CPU speed switches (rlhf_trainers.cpu); the defaults when None was given.
         self.cpu_options = resolve_cpu_options(cpu_options)
         paths = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
-        check_inputs(type(self).__name__, args, train_dataset, paths, reward_funcs)  # before anything loads
-        processing_class = self.setup_tools(tools, args, processing_class, model)
+        options = dict(tools=tools, environment_factory=environment_factory, rollout_func=rollout_func)
+        train_dataset, processing_class, extra_rewards = rollout_inputs(  # before anything loads
+            self, args, model, processing_class, train_dataset, paths, reward_model, reward_funcs, options
+        )
         processing_class = policy_tokenizer(model, processing_class)
         stop_ids = resolve_stop_ids(args, processing_class)
 
@@ -154,7 +158,7 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.is_peft = models.is_peft
         self.ref_model = models.ref_model
         self.reward_model = models.reward_model
-        self.reward_sources = reward_sources(models, processing_class, reward_funcs, args)
+        self.reward_sources = reward_sources(models, processing_class, reward_funcs, args, extra_rewards)
 
         # ---- data ----
         self.preprocessing_stats: dict[str, Any] = {}
@@ -223,21 +227,6 @@ class OnPolicyTrainer(TrainerHooksMixin, Trainer):
         self.sampler = PolicySampler(self, stop_ids, self.cpu_options)
         self.producer: RolloutProducer = self.make_producer()
         self.loop = OptimizationLoop(self)
-
-    def setup_tools(
-        self, tools: Sequence[Callable[..., Any]] | None, args: Any, processing_class: Any, model: Any
-    ) -> Any:
-        """Check ``tools=`` before the models load; returns the policy's tokenizer. The engine alone takes
-        none (:class:`rlhf_trainers.agents.trainer.AgentRollouts` gives PPO, RLOO and GRPO theirs)."""
-        if tools:
-            raise ValueError(
-                f"{type(self).__name__} takes no tools=; use PPOTrainer, RLOOTrainer or GRPOTrainer."
-            )
-        return processing_class
-
-    def make_producer(self) -> RolloutProducer:
-        """The rollout producer of this run (the seam where multi-turn rollouts plug in): one turn per row."""
-        return SingleTurnProducer(self)
 
     def accelerator_arguments(self, **kwargs: Any) -> dict[str, Any]:
         """Trainer's accelerator arguments without a compiling dynamo plugin: ``torch_compile`` is the

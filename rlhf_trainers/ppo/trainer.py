@@ -106,6 +106,15 @@ class PPOTrainer(AgentRollouts, OnPolicyTrainer):
             TRL's ``GRPOTrainer(tools=)``: each rollout is a multi-turn episode (docs/agents.md); the tool
             turns are in the sequence the policy and the critic read, but out of the loss, the KL, the
             advantages and the value loss. ``max_tool_calling_iterations`` and ``tool_timeout`` bound it.
+        environment_factory: TRL's ``GRPOTrainer(environment_factory=)``: a zero-argument callable that
+            returns an environment (or a dict of them, picked by each row's ``environment`` column); one
+            per episode, reset with the row, its public methods the episode's tools, its ``get_reward()``
+            a reward source of weight 1 (docs/agents.md, "Environments").
+        rollout_func: TRL's ``GRPOTrainer(rollout_func=)``, ``f(prompts, trainer) -> dict`` with
+            ``prompt_ids``, ``completion_ids``, ``logprobs`` (and optionally ``env_mask`` and fields for the
+            reward functions), one entry per prompt it gets: the function makes the completions
+            (:class:`~rlhf_trainers.agents.user_rollouts.UserRolloutProducer`, docs/agents.md); ``env_mask``
+            0 tokens are out of the loss, the KL, the advantages and the value loss.
     """
 
     _config_class = PPOConfig

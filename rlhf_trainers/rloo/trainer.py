@@ -72,8 +72,8 @@ class RLOOTrainer(AgentRollouts, OnPolicyTrainer):
             ``RLOOConfig.reward_weights`` (reward model first); as in TRL 1.x, the list may also hold one
             reward model (instance or path; its tokenizer in ``reward_processing_classes``), in which
             case ``reward_weights`` follow the list's order.
-        peft_config, callbacks, optimizers, data_collator, cpu_options, tools: as for
-            :class:`~rlhf_trainers.PPOTrainer`.
+        peft_config, callbacks, optimizers, data_collator, cpu_options, tools, environment_factory,
+            rollout_func: as for :class:`~rlhf_trainers.PPOTrainer`.
 
     The aliases are the names of the RLOO blog's snippet (TRL's first RLOOTrainer), so that code runs
     unchanged; giving both a name and its alias is an error. Without ``args``, a call with ``reward_funcs``
@@ -111,6 +111,8 @@ class RLOOTrainer(AgentRollouts, OnPolicyTrainer):
         reward_processing_classes: Any = None,
         cpu_options: CPUOptions | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
+        rollout_func: Callable[[list[Any], Any], Any] | None = None,
     ) -> None:
         model = _alias("model", model, "policy", policy)
         ref_model = _alias("ref_model", ref_model, "ref_policy", ref_policy)
@@ -145,6 +147,8 @@ class RLOOTrainer(AgentRollouts, OnPolicyTrainer):
             data_collator=data_collator,
             cpu_options=cpu_options,
             tools=tools,
+            environment_factory=environment_factory,
+            rollout_func=rollout_func,
         )
 
     @property

@@ -148,7 +148,7 @@ class OnPolicyScriptArguments:
     """The models and reward sources of a PPO or RLOO run. Left empty, the offline kit's tiny SFT model is
     the policy and its hidden sentiment rule (``rlhf_trainers.testing.true_reward``) the reward."""
 
-    _argument_group_name = "models and rewards"
+    _argument_group_name = "models, rewards and tools"
 
     model_name_or_path: str | None = field(
         default=None,
@@ -182,6 +182,25 @@ class OnPolicyScriptArguments:
     )
     eval_before_training: bool = field(
         default=True, metadata={"help": "Evaluate once before training (needs a test split)."}
+    )
+    tools: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Tools the policy may call (multi-turn rollouts, docs/agents.md): functions with type "
+            "hints and a Google-style docstring, named as module:function, module.function or "
+            "path/to/file.py:function, separated by spaces or commas. They are imported before any model "
+            "loads. See --max_tool_calling_iterations and --tool_timeout."
+        },
+    )
+    tool_chat_template: str = field(
+        default="auto",
+        metadata={
+            "help": "Chat template of a run with --tools: 'auto' keeps the tokenizer's own when it can hold a "
+            "tool-calling conversation and installs rlhf_trainers' tool-capable one otherwise (with a note); "
+            "'ours' always installs ours; 'model' always keeps the tokenizer's own (refused when it cannot "
+            "hold tool calls). The tokenizer is saved with the template used.",
+            "choices": ["auto", "ours", "model"],
+        },
     )
     results_file: str | None = field(
         default=None,
@@ -586,6 +605,9 @@ def build_onpolicy_trainer(
 ) -> tuple[OnPolicyTrainer, datasets.Dataset | None]:
     """The trainer of :func:`run_onpolicy` (after checking the model flags and loading the prompts) and
     its test split (or None)."""
+    from ._tools import load_tools, prepare_tool_tokenizer
+
+    tools = load_tools(script.tools)  # before anything loads: a wrong name fails in a second
     check_model_flags(script, config)
     if script.model_name_or_path is None:
         script.model_name_or_path = kit_model_path()
@@ -605,11 +627,17 @@ def build_onpolicy_trainer(
         reward_model=script.reward_model_name_or_path,
         reward_funcs=reward_funcs,
         args=config,
-        processing_class=load_policy_tokenizer(script.model_name_or_path),
+        processing_class=prepare_tool_tokenizer(
+            load_policy_tokenizer(script.model_name_or_path),
+            script.tool_chat_template,
+            with_tools=tools is not None,
+            model_name=script.model_name_or_path,
+        ),
         train_dataset=train,
         eval_dataset=test,
         peft_config=lora.peft_config("CAUSAL_LM"),
         cpu_options=cpu_options,
+        tools=tools,
         **script.trainer_kwargs(),
     )
     return trainer, test

@@ -2,7 +2,7 @@
 
     python reliability_run.py TRAINER OUTPUT_DIR MODE [STEP [PHASE SIGNAL]]
 
-TRAINER is ppo, rloo or reward. MODE is:
+TRAINER is ppo, rloo, reward or ppo-agent (PPO with tools on the kit agent). MODE is:
 
 - ``full``: train max_steps (4) with a checkpoint every 2 steps;
 - ``kill-in-save``: the same, but the process SIGKILLs itself while writing the checkpoint of update
@@ -66,6 +66,8 @@ def build(kind: str, output_dir: str):
             args=args,
             train_dataset=kit.preference_dataset("train", n=64),
         )
+    if kind == "ppo-agent":
+        return _agent(kit, output_dir)
     config, trainer = (PPOConfig, PPOTrainer) if kind == "ppo" else (RLOOConfig, RLOOTrainer)
     extra = {"rloo_k": 2} if kind == "rloo" else {}
     return trainer(
@@ -74,6 +76,33 @@ def build(kind: str, output_dir: str):
         args=config(output_dir=output_dir, **COMMON, **ONPOLICY, **extra),
         train_dataset=kit.prompt_dataset("train", n=64),
         reward_funcs=true_reward,
+    )
+
+
+def _agent(kit, output_dir: str) -> PPOTrainer:
+    """PPO with tools on the kit agent (it calls the calculator in about half of its episodes)."""
+    import random
+    import re
+
+    import datasets
+
+    from rlhf_trainers.testing import agent_kit
+
+    rng = random.Random(0)
+    rows = [agent_kit.kit_question(rng, i) for i in range(64)]
+    dataset = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": [a for _, a in rows]})
+
+    def correctness(completions, answer, **kwargs):
+        found = [re.findall(r"-?\d+", c[-1]["content"]) for c in completions]
+        return [1.0 if f and f[-1] == a else 0.0 for f, a in zip(found, answer, strict=True)]
+
+    fields = {**ONPOLICY, "response_length": 128, "max_prompt_length": None, "learning_rate": 1e-4}
+    return PPOTrainer(
+        model=str(agent_kit.kit_agent_folder(kit)),
+        args=PPOConfig(output_dir=output_dir, **COMMON, **fields),
+        train_dataset=dataset,
+        reward_funcs=correctness,
+        tools=[agent_kit.multiply, agent_kit.async_add],
     )
 
 

@@ -3,7 +3,7 @@
 The scripts of this folder are TRL 1.16's documentation examples with two kinds of change: the
 ``from trl ...`` imports read ``from rlhf_trainers ...`` (``run_script.py --trl`` turns them back, and
 nothing else), and the Hub model id and ``load_dataset("trl-lib/...")`` come from here, since this machine
-has no Hub. The datasets have the columns and formats of TRL's datasets of the same name (conversational
+has no Hub (and :func:`generate`, where TRL's ``rollout_func`` example asks a vLLM server). The datasets have the columns and formats of TRL's datasets of the same name (conversational
 prompts, a ``solution`` column, implicit-prompt preferences, ...), filled with small arithmetic and
 writing tasks a 135M-parameter model can learn from within a few steps.
 
@@ -11,6 +11,9 @@ This module imports nothing but the standard library and ``datasets``, so that b
 environment and ours run it. The environment chooses the scale:
 
 - ``TRL_SCRIPTS_MODEL``: the policy (and reward-model base) folder. Required.
+- ``TRL_SCRIPTS_TOOL_MODEL``: the policy of the scripts with tools or environments: the same model with a
+  chat template that renders tools, tool calls and tool results (SmolLM2's and the kit's do not; the
+  tests save the kit's with ``rlhf_trainers.agents.install_tool_chat_template``). Default: the model.
 - ``TRL_SCRIPTS_SCALE``: ``"kit"`` (default: two steps of short completions, for the tests) or
   ``"real"`` (``benchmarks/trl_scripts_real.py``: SmolLM2-135M-Instruct).
 - ``TRL_SCRIPTS_STEPS``: ``max_steps`` (default 2 at ``kit`` scale, 12 at ``real``).
@@ -26,11 +29,12 @@ from typing import Any
 
 import datasets
 
-__all__ = ["MODEL", "load_dataset", "output_dir", "size"]
+__all__ = ["MODEL", "TOOL_MODEL", "generate", "load_dataset", "output_dir", "size"]
 
 MODEL: str = os.environ.get("TRL_SCRIPTS_MODEL", "")
 if not MODEL:
     raise SystemExit("set TRL_SCRIPTS_MODEL to the model folder the scripts train (no Hub here)")
+TOOL_MODEL: str = os.environ.get("TRL_SCRIPTS_TOOL_MODEL", "") or MODEL
 SCALE: str = os.environ.get("TRL_SCRIPTS_SCALE", "kit")
 if SCALE not in ("kit", "real"):
     raise SystemExit(f"TRL_SCRIPTS_SCALE={SCALE!r}: must be 'kit' or 'real'")
@@ -72,10 +76,10 @@ def size(kind: str) -> dict[str, Any]:
         return common
     if kind == "agent":  # multi-turn episodes: room for a call, its result and an answer
         common.update(
-            per_device_train_batch_size=16 if real else 8,
+            per_device_train_batch_size=16,
             num_generations=4,
-            max_completion_length=256 if real else 64,
-            learning_rate=1e-5 if real else 1e-4,
+            max_completion_length=256 if real else 128,
+            learning_rate=1e-5 if real else 1e-3,
             temperature=1.0,
         )
         return common
@@ -127,11 +131,13 @@ def _math_and_code(rng: random.Random, n: int) -> dict[str, list[Any]]:
 
 
 def _arithmetic_tools(rng: random.Random, n: int) -> dict[str, list[Any]]:
-    """Conversational questions a calculator answers (multi-digit products and sums), with an ``answer``
-    column: the task of TRL's tools example."""
+    """Conversational questions a calculator answers, products and sums in turn, with an ``answer``
+    column: the task of TRL's tools example. Two-digit numbers at ``real`` scale; one-digit at ``kit``
+    scale, the questions the kit agent (``rlhf_trainers.testing.agent_kit``) was taught to call on."""
     prompts, answers = [], []
+    low, high = (12, 99) if SCALE == "real" else (2, 9)
     for i in range(n):
-        a, b = rng.randint(12, 99), rng.randint(12, 99)
+        a, b = rng.randint(low, high), rng.randint(low, high)
         op, value = ("*", a * b) if i % 2 == 0 else ("+", a + b)
         prompts.append([{"role": "user", "content": f"What is {a} {op} {b}? Use the tools."}])
         answers.append(str(value))
@@ -200,3 +206,52 @@ def load_dataset(name: str, split: str = "train") -> datasets.Dataset:
         raise ValueError(f"split={split!r}: must be 'train' or 'test'")
     rng = random.Random(f"{name}:{split}")
     return datasets.Dataset.from_dict(_BUILDERS[name](rng, 512 if split == "train" else 64))
+
+
+def generate(trainer: Any, prompts: list[Any]) -> dict[str, list[Any]]:
+    """What TRL's ``rollout_func`` example gets from its vLLM server: for each prompt (text, or chat
+    messages rendered with the chat template), its token ids, one completion sampled from the trainer's
+    policy at ``temperature`` (at most ``max_completion_length`` tokens, ending at the EOS token) and the
+    completion tokens' log-probs. Runs transformers' ``generate`` on the policy of TRL's trainer
+    (``trainer.model``) or ours (``trainer.model.policy``)."""
+    import torch
+
+    tokenizer, args = trainer.processing_class, trainer.args
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = getattr(model, "policy", model)  # ours holds the policy (and PPO's value model) in one module
+    texts = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+        if isinstance(p, list)
+        else p
+        for p in prompts
+    ]
+    prompt_ids = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    width = max(len(ids) for ids in prompt_ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=model.device)
+    attention_mask = (
+        torch.arange(width)[None, :] >= torch.tensor([width - len(i) for i in prompt_ids])[:, None]
+    ).long()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask.to(model.device),
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.max_completion_length,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    tokens = out.sequences[:, width:]
+    logits = torch.stack(out.logits, dim=1).float() / args.temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    completion_ids, completion_logprobs = [], []
+    for row, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+        end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        completion_ids.append(row[:end])
+        completion_logprobs.append(row_logprobs[:end])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": completion_logprobs}

@@ -1,10 +1,11 @@
 # TRL's agent training with tools (docs/source/grpo_trainer.md, "Tools"; the rewards in the style of
 # examples/scripts/grpo_agent.py): typed functions with Google-style docstrings, one sync and one async,
 # a correctness reward on the last turn and a structure reward on the tool calls. Offline: the model
-# folder's chat template supports tool calling (the test saves one, as a Qwen3 checkpoint ships one).
+# folder's chat template supports tool calling (TOOL_MODEL: the test saves one, as a Qwen3 checkpoint
+# ships one).
 import re
 
-from _offline import MODEL, load_dataset, output_dir, size
+from _offline import TOOL_MODEL, load_dataset, output_dir, size
 
 from rlhf_trainers import GRPOConfig, GRPOTrainer
 
@@ -62,7 +63,7 @@ training_args = GRPOConfig(
     output_dir=output_dir("agent_tools"), max_tool_calling_iterations=2, **size("agent")
 )
 trainer = GRPOTrainer(
-    model=MODEL,
+    model=TOOL_MODEL,
     reward_funcs=[correctness_reward, structure_reward],
     args=training_args,
     train_dataset=dataset,
