@@ -165,6 +165,14 @@ class GRPOConfig(TRLGRPOFields, TRLGenerationFields, OnPolicyConfig):
         default=0.0, metadata={"help": "KL penalty in the reward; GRPO has none (it uses beta)."}
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (TRL's GRPO: 1.0)."})
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "None (the default): prompts are kept whole, as TRL 1.16 keeps them (it has no such field). "
+            "An int truncates longer prompts from the left (keeping a leading BOS), which bounds memory but "
+            "cuts a tool run's system turn, where the tools are described."
+        },
+    )
     learning_rate: float = field(default=1e-6, metadata={"help": "Learning rate (TRL's GRPO: 1e-6)."})
     logging_steps: float = field(
         default=10, metadata={"help": "Log every X optimizer steps (ratio of the run if < 1)."}

@@ -79,7 +79,7 @@ def size(kind: str) -> dict[str, Any]:
             per_device_train_batch_size=16,
             num_generations=4,
             max_completion_length=256 if real else 128,
-            learning_rate=1e-5 if real else 1e-3,
+            learning_rate=1e-5 if real else 1e-4,
             temperature=1.0,
         )
         return common
