@@ -290,17 +290,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--algorithm", default="grpo", choices=ALGORITHMS)
     known, _ = pre.parse_known_args(argv)
-    if known.algorithm == "ppo":
-        from rlhf_trainers import PPOConfig as Config
-        from rlhf_trainers import PPOTrainer as Trainer
-    elif known.algorithm == "rloo":
-        from rlhf_trainers import RLOOConfig as Config
-        from rlhf_trainers import RLOOTrainer as Trainer
-    else:
-        from rlhf_trainers import GRPOConfig as Config
-        from rlhf_trainers import GRPOTrainer as Trainer
     from rlhf_trainers import CPUOptions
-    from rlhf_trainers.scripts._common import LoraArguments, parse_args, report
+    from rlhf_trainers.scripts._common import LoraArguments, algorithm_classes, parse_args, report
+
+    Config, Trainer = algorithm_classes(known.algorithm)
 
     wants_help = "-h" in argv or "--help" in argv
     args, lora, config, cpu_options = parse_args(

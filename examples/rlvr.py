@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_trainers.rewards.rlvr import TASKS, reward_function, success_function, task_dataset
-from rlhf_trainers.scripts._common import LoraArguments, flag_given, parse_args, report, resume_argument
+from rlhf_trainers.scripts._common import (
+    LoraArguments,
+    algorithm_classes,
+    flag_given,
+    parse_args,
+    report,
+    resume_argument,
+)
 
 TRAINERS = ("ppo", "rloo", "grpo")
 
@@ -155,16 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pre.add_argument("--trainer", default="rloo", choices=TRAINERS)
     pre.add_argument("--task", default="word_count", choices=TASKS)
     known, _ = pre.parse_known_args(argv)
-    if known.trainer == "ppo":
-        from rlhf_trainers import PPOConfig as Config
-        from rlhf_trainers import PPOTrainer as Trainer
-    elif known.trainer == "grpo":
-        from rlhf_trainers import GRPOConfig as Config
-        from rlhf_trainers import GRPOTrainer as Trainer
-    else:
-        from rlhf_trainers import RLOOConfig as Config
-        from rlhf_trainers import RLOOTrainer as Trainer
-
+    Config, Trainer = algorithm_classes(known.trainer)
     from rlhf_trainers import CPUOptions
 
     wants_help = "-h" in argv or "--help" in argv

@@ -218,6 +218,17 @@ class OnPolicyScriptArguments:
 # ---- command line -------------------------------------------------------------------------------
 
 
+def algorithm_classes(name: str) -> tuple[type, type]:
+    """The config and trainer classes of ``name`` (``"ppo"``, ``"rloo"`` or ``"grpo"``), imported on demand
+    (the examples choose one from a flag before parsing the rest)."""
+    import rlhf_trainers
+
+    if name not in ("ppo", "rloo", "grpo"):
+        raise ValueError(f"algorithm {name!r}: expected 'ppo', 'rloo' or 'grpo'.")
+    upper = name.upper()
+    return getattr(rlhf_trainers, f"{upper}Config"), getattr(rlhf_trainers, f"{upper}Trainer")
+
+
 def flag_given(name: str, args: Sequence[str]) -> bool:
     """Whether ``--name`` (or ``--name-with-dashes``) is on the command line `args`, with or without ``=``."""
     spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
