@@ -224,7 +224,7 @@ class _Clock(TrainerCallback):
         self.seconds: dict[int, float] = {}
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-        self.seconds[state.global_step] = round(time.perf_counter() - self.start, 1)
+        self.seconds[state.global_step] = round(time.perf_counter() - self.start, 3)
 
 
 def _metric(entry: dict[str, Any], name: str) -> float | None:

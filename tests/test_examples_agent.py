@@ -148,7 +148,8 @@ def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, algorithm):
     assert [row["episode"] for row in written["curve"]] == [8, 16]
     for row in written["curve"]:
         assert 0.0 <= row["success"] <= 1.0 and 0.0 <= row["tool_use"] <= 1.0
-        assert row["call_frequency"] is not None and row["seconds"] > 0
+        assert row["call_frequency"] is not None and row["seconds"] >= 0  # a kit update can take < 1 ms
+    assert written["curve"][-1]["seconds"] > 0
     assert written["settings"]["tool_reward"] == 0.1 and written["settings"]["lora_r"] == 16
 
 
