@@ -121,6 +121,34 @@ def _tool_positions(rollout) -> torch.Tensor:
     return rollout.response_mask & ~rollout.loss_mask
 
 
+def assert_tool_tokens_out_of_the_loss(trainer, rollout, tool: torch.Tensor) -> None:
+    """The loss's gradient with respect to the log-probs is 0 at the ``tool`` positions and not elsewhere,
+    and changing the rollout's old and reference log-probs there changes neither the loss, its gradient
+    nor the advantages (``rollout`` is modified). Shared with tests/test_vllm_agents.py."""
+    advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
+    assert advantages.advantages.abs().sum() > 0
+    rows = torch.arange(rollout.response.shape[0])
+    normalization = LossNormalization.local(rollout.policy_mask, trainer.args.response_length)
+
+    def loss_and_grad():
+        logprobs, values, _ = trainer.loop.training_forward(trainer.model, rollout, rows)
+        logprobs = logprobs.detach().requires_grad_()
+        loss, _ = trainer.compute_policy_loss(rollout, advantages, rows, logprobs, values, normalization)
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        return loss.detach(), grad
+
+    loss, grad = loss_and_grad()
+    assert torch.all(grad[tool] == 0)
+    assert grad[rollout.policy_mask].abs().sum() > 0
+    rollout.logprobs = rollout.logprobs + 0.5 * tool
+    rollout.ref_logprobs = rollout.ref_logprobs - 0.5 * tool
+    loss2, grad2 = loss_and_grad()
+    assert loss2 == loss
+    torch.testing.assert_close(grad2, grad)
+    again = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
+    torch.testing.assert_close(again.advantages, advantages.advantages)
+
+
 # ---- construction ------------------------------------------------------------------------------------
 
 
@@ -196,31 +224,7 @@ def test_tool_tokens_carry_no_gradient_no_kl_and_no_advantage(kit, tmp_path):
     start = int(tool[row].nonzero()[0])
     assert rollout.response[row, start : start + len(suffix)].tolist() == suffix
     assert torch.all(rollout.kl[tool] == 0)
-    advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
-    assert advantages.advantages.abs().sum() > 0
-
-    rows = torch.arange(rollout.response.shape[0])
-    normalization = LossNormalization.local(rollout.policy_mask, trainer.args.response_length)
-
-    def loss_and_grad(r):
-        logprobs, values, _ = trainer.loop.training_forward(trainer.model, r, rows)
-        logprobs = logprobs.detach().requires_grad_()
-        loss, _ = trainer.compute_policy_loss(r, advantages, rows, logprobs, values, normalization)
-        (grad,) = torch.autograd.grad(loss, logprobs)
-        return loss.detach(), grad
-
-    loss, grad = loss_and_grad(rollout)
-    assert torch.all(grad[tool] == 0)
-    assert grad[rollout.policy_mask].abs().sum() > 0
-    # perturbing what the rollout holds at tool positions changes neither the loss nor the advantages
-    perturbed = rollout
-    perturbed.logprobs = rollout.logprobs + 0.5 * tool
-    perturbed.ref_logprobs = rollout.ref_logprobs - 0.5 * tool
-    loss2, grad2 = loss_and_grad(perturbed)
-    assert loss2 == loss
-    torch.testing.assert_close(grad2, grad)
-    again = trainer.compute_advantages(perturbed, trainer.token_rewards(perturbed))
-    torch.testing.assert_close(again.advantages, advantages.advantages)
+    assert_tool_tokens_out_of_the_loss(trainer, rollout, tool)
 
 
 def test_an_episode_without_tool_calls_is_the_single_turn_rollout(kit, tmp_path):

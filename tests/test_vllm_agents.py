@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_agent_rollouts import ADD_CALL, _length_reward, _tokenizer, add
+from test_agent_rollouts import ADD_CALL, _length_reward, _tokenizer, add, assert_tool_tokens_out_of_the_loss
 
 from rlhf_trainers import GRPOConfig, GRPOTrainer
 from rlhf_trainers import functional as F
 from rlhf_trainers.agents.producer import MultiTurnProducer
 from rlhf_trainers.onpolicy.metrics import rollout_sampling_metrics
 from rlhf_trainers.onpolicy.producer import SingleTurnProducer
-from rlhf_trainers.onpolicy.rollout import LossNormalization
 
 pytestmark = pytest.mark.vllm
 
@@ -199,28 +198,7 @@ def test_tool_tokens_carry_no_gradient_kl_advantage_nor_importance_weight(kit, t
     assert metrics["sampling/sampling_logp_difference/max"] < 1e-3
     assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
 
-    advantages = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
-    assert advantages.advantages.abs().sum() > 0
-    rows = torch.arange(rollout.response.shape[0])
-    normalization = LossNormalization.local(rollout.policy_mask, trainer.args.response_length)
-
-    def loss_and_grad(r):
-        logprobs, values, _ = trainer.loop.training_forward(trainer.model, r, rows)
-        logprobs = logprobs.detach().requires_grad_()
-        loss, _ = trainer.compute_policy_loss(r, advantages, rows, logprobs, values, normalization)
-        (grad,) = torch.autograd.grad(loss, logprobs)
-        return loss.detach(), grad
-
-    loss, grad = loss_and_grad(rollout)
-    assert torch.all(grad[tool] == 0)
-    assert grad[policy].abs().sum() > 0
-    rollout.logprobs = rollout.logprobs + 0.5 * tool
-    rollout.ref_logprobs = rollout.ref_logprobs - 0.5 * tool
-    loss2, grad2 = loss_and_grad(rollout)
-    assert loss2 == loss
-    torch.testing.assert_close(grad2, grad)
-    again = trainer.compute_advantages(rollout, trainer.token_rewards(rollout))
-    torch.testing.assert_close(again.advantages, advantages.advantages)
+    assert_tool_tokens_out_of_the_loss(trainer, rollout, tool)
 
 
 def test_a_one_turn_episode_is_the_single_turn_vllm_rollout(kit, tmp_path):
