@@ -15,17 +15,22 @@ knows other models' templates) from which ``parse_response`` reads the ``<tool_c
 
 The same settings on both sides (:data:`SETTINGS`, the example's defaults): LoRA r 16 / alpha 32 on
 every linear layer, learning rate 1e-3, temperature 0.7, 16 episodes per update (2 prompts x 8
-generations), at most 64 completion tokens per episode (tool turns included), at most one tool turn,
-beta 0, TRL's loss defaults on both sides, no gradient checkpointing (TRL's default turns it on), reward =
-success (+ ``--tool-reward`` x tool use).
+generations, micro-batches of 8), at most 96 completion tokens per episode (tool turns included), at most
+one tool turn, beta 0, TRL's loss defaults on both sides, no gradient checkpointing (TRL's default turns it
+on), reward = success (+ ``--tool-reward`` x tool use, 0 by default). Ours also runs PPO (``ours-ppo``) and RLOO
+(``ours-rloo``) on the task with the example's defaults for them (PPO: 16 questions, one episode each,
+micro-batches of 4, learning rate 5e-4); TRL 1.16 has no PPO or RLOO with tools.
 
 The measure: per update, on that update's own episodes (new prompts every update), the share of
 episodes whose final answer is the product (``success``) and that called the tool without an error
 (``tool_use``), TRL's ``tools/call_frequency`` and ``tools/failure_frequency``, and the seconds since
-training began; per run, episodes/s over the whole run.
+training began; per run, episodes/s over the whole run, and the CPUs it was allowed (``taskset``).
 
-    python benchmarks/agent_vs_trl.py --seeds 0 --updates 15 --out benchmarks/results
-    python benchmarks/agent_vs_trl.py --seeds 0,1,2 --impls ours,trl --threads 1
+    python benchmarks/agent_vs_trl.py --seeds 0 --updates 12 --out benchmarks/results
+    # two drivers side by side, one core each, writing the same JSON (it is locked per write):
+    taskset -c 0 python benchmarks/agent_vs_trl.py --seeds 0,1,2 --impls ours,ours-ppo &
+    taskset -c 1 python benchmarks/agent_vs_trl.py --seeds 0,1,2 --impls trl
+    python benchmarks/agent_vs_trl.py --render --plot docs/img/agent_vs_trl.png
 
 Writes ``<out>/agent_vs_trl<tag>.json`` (merging runs already in it: a seed and side already there is
 skipped unless ``--force``), and prints a table.
@@ -57,9 +62,10 @@ SETTINGS: dict[str, Any] = {
     "learning_rate": 1e-3,
     "temperature": 0.7,
     "beta": 0.0,
-    "per_device_train_batch_size": 16,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
     "num_generations": 8,
-    "max_completion_length": 64,
+    "max_completion_length": 96,
     "max_tool_calling_iterations": 1,
     "lora_r": 16,
     "lora_alpha": 32,
@@ -131,6 +137,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
         temperature=s["temperature"],
         beta=s["beta"],
         per_device_train_batch_size=s["per_device_train_batch_size"],
+        gradient_accumulation_steps=s["gradient_accumulation_steps"],
         num_generations=s["num_generations"],
         max_completion_length=s["max_completion_length"],
         max_tool_calling_iterations=s["max_tool_calling_iterations"],
@@ -159,7 +166,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     clock.start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - clock.start
-    episodes = s["per_device_train_batch_size"]
+    episodes = s["per_device_train_batch_size"] * s["gradient_accumulation_steps"]
     return {
         "curve": agent.curve_of(trainer.state.log_history, episodes, clock.seconds),
         "seconds": round(seconds, 1),
@@ -171,12 +178,13 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # ---- the driver (this project's environment) -----------------------------------------------------
 
 
-def run_ours(spec: dict[str, Any], log: Path) -> dict[str, Any]:
-    """One run of ours: ``examples/agent.py`` with the job's settings."""
-    s = spec["settings"]
+def run_ours(spec: dict[str, Any], log: Path, algorithm: str) -> dict[str, Any]:
+    """One run of ours: ``examples/agent.py --algorithm ALGORITHM``. GRPO gets :data:`SETTINGS` (TRL's
+    job); PPO and RLOO get the example's own defaults for them (the same sizes in their names; PPO's
+    learning rate 5e-4)."""
     curve_file = Path(spec["output_dir"]) / "agent_curve.json"
     flags = {
-        "algorithm": "grpo",
+        "algorithm": algorithm,
         "model_name_or_path": spec["policy"],
         "seed": spec["seed"],
         "max_steps": spec["updates"],
@@ -184,7 +192,7 @@ def run_ours(spec: dict[str, Any], log: Path) -> dict[str, Any]:
         "num_questions": spec["num_questions"],
         "output_dir": spec["output_dir"],
         "curve_file": curve_file,
-        **{name: value for name, value in s.items()},
+        **(spec["settings"] if algorithm == "grpo" else {}),
     }
     command = [sys.executable, str(EXAMPLE), *(f"--{name}={value}" for name, value in flags.items())]
     _run(command, log, spec["threads"])
@@ -247,26 +255,88 @@ def machine_name() -> str:
     return f"{model}, {os.cpu_count()} CPU cores"
 
 
+#: The sides a run can be: ours with one of the example's algorithms, or TRL's GRPOTrainer.
+IMPLS: dict[str, str] = {"ours": "grpo", "ours-ppo": "ppo", "ours-rloo": "rloo", "trl": "grpo"}
+LABELS = {"ours": "ours GRPO", "ours-ppo": "ours PPO", "ours-rloo": "ours RLOO", "trl": "TRL 1.16 GRPO"}
+COLORS = {"ours": "tab:blue", "ours-ppo": "tab:green", "ours-rloo": "tab:purple", "trl": "tab:orange"}
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
         "| side | seed | success first 3 -> last 3 | tool use first 3 -> last 3 | episodes/s | seconds |",
         "|---|---:|---|---|---:|---:|",
     ]
-    for _, run in sorted(results["runs"].items()):
+    order = list(IMPLS)
+    runs = sorted(results["runs"].values(), key=lambda run: (order.index(run["impl"]), run["seed"]))
+    for run in runs:
         s = summary(run)
         lines.append(
-            f"| {run['impl']} | {run['seed']} | {s['success_first']} -> {s['success_last']} | "
+            f"| {LABELS[run['impl']]} | {run['seed']} | {s['success_first']} -> {s['success_last']} | "
             f"{s['tool_use_first']} -> {s['tool_use_last']} | {s['episodes_per_s']} | {s['seconds']} |"
         )
     return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Success and tool use per update against episodes: one thin line per seed, the mean over seeds
+    thick, one colour per side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    for impl in IMPLS:
+        runs = [run for run in results["runs"].values() if run["impl"] == impl]
+        if not runs:
+            continue
+        for ax, key in zip(axes, ("success", "tool_use"), strict=True):
+            for run in runs:
+                curve = run["curve"]
+                ax.plot([r["episode"] for r in curve], [r[key] for r in curve], color=COLORS[impl], alpha=0.3)
+            length = min(len(run["curve"]) for run in runs)
+            episodes = [runs[0]["curve"][i]["episode"] for i in range(length)]
+            means = [statistics.fmean(run["curve"][i][key] for run in runs) for i in range(length)]
+            label = f"{LABELS[impl]} (mean of {len(runs)} seeds)"
+            ax.plot(episodes, means, color=COLORS[impl], linewidth=2.5, label=label)
+    for ax, title in zip(axes, ("task success", "tool use (an error-free call)"), strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("episodes", fontsize=9)
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("SmolLM2-135M-Instruct + LoRA learns to call multiply (examples/agent.py)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def record(out: Path, key: str, entry: dict[str, Any], header: dict[str, Any]) -> dict[str, Any]:
+    """Add run `key` to the JSON at `out` under an exclusive lock (several drivers may share the file,
+    e.g. one per core), written atomically; returns the whole result."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
+        results.update(header)
+        results["runs"][key] = entry
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        os.replace(tmp, out)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
-    parser.add_argument("--impls", default="ours,trl", help="comma-separated: ours, trl (run in this order)")
-    parser.add_argument("--updates", type=int, default=15, help="updates per run")
+    parser.add_argument(
+        "--impls", default="ours,trl", help=f"comma-separated, run in this order: {', '.join(IMPLS)}"
+    )
+    parser.add_argument("--updates", type=int, default=12, help="updates per run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--tool-reward", type=float, default=0.0, help="the example's --tool_reward")
     parser.add_argument("--num-questions", type=int, default=4096)
@@ -276,35 +346,40 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the JSON's name")
     parser.add_argument("--force", action="store_true", help="rerun seeds and sides already in the JSON")
     parser.add_argument("--note", help="a note kept in the JSON (e.g. that the machine was shared)")
+    parser.add_argument("--plot", type=Path, help="also draw the curves to this PNG")
+    parser.add_argument("--render", action="store_true", help="run nothing: print the table (and --plot)")
     args = parser.parse_args()
     if args.trl_worker:
         spec = json.loads(Path(args.trl_worker).read_text())
         result = trl_worker(spec)
         (Path(spec["output_dir"]) / "trl_result.json").write_text(json.dumps(result, indent=2))
         return
+    out = args.out / f"agent_vs_trl{args.tag}.json"
+    if args.render:
+        results = json.loads(out.read_text())
+        print(table(results))
+        if args.plot:
+            plot(results, args.plot)
+        return
     impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
     for impl in impls:
-        if impl not in ("ours", "trl"):
-            raise SystemExit(f"--impls: {impl!r} is not one of ours, trl")
+        if impl not in IMPLS:
+            raise SystemExit(f"--impls: {impl!r} is not one of {', '.join(IMPLS)}")
     if "trl" in impls and not Path(args.trl_python).is_file():
         raise SystemExit(f"{args.trl_python} not found: run `bash benchmarks/setup_trl.sh` first")
     policy = prepare(args.work)
-    out = args.out / f"agent_vs_trl{args.tag}.json"
-    results = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
-    results.update(
-        {
-            "task": "examples/agent.py: 3-digit x 2-digit multiplication with a multiply tool",
-            "settings": SETTINGS | {"tool_reward": args.tool_reward, "updates": args.updates},
-            "machine": machine_name(),
-            "threads": args.threads,
-        }
-    )
-    if args.note:
-        results["note"] = args.note
+    header = {
+        "task": "examples/agent.py: 3-digit x 2-digit multiplication with a multiply tool",
+        "settings": SETTINGS | {"tool_reward": args.tool_reward, "updates": args.updates},
+        "machine": machine_name(),
+        "threads": args.threads,
+    } | ({"note": args.note} if args.note else {})
+    done = json.loads(out.read_text())["runs"] if out.is_file() else {}
+    results: dict[str, Any] = {"runs": done}
     for seed in [int(seed) for seed in args.seeds.split(",")]:
         for impl in impls:
             key = f"{impl}-{seed}"
-            if key in results["runs"] and not args.force:
+            if key in done and not args.force:
                 print(f"{key}: in {out} already (--force reruns it)")
                 continue
             spec = {
@@ -319,15 +394,17 @@ def main() -> None:
             }
             log = args.work / "logs" / f"{key}.log"
             print(f"{key}: running (log {log})", flush=True)
-            run = run_ours(spec, log) if impl == "ours" else run_trl(spec, log, args.trl_python)
-            results["runs"][key] = {
+            run = run_trl(spec, log, args.trl_python) if impl == "trl" else run_ours(spec, log, IMPLS[impl])
+            entry = {
                 "impl": impl,
                 "seed": seed,
+                "cpus": sorted(os.sched_getaffinity(0)),
                 **{k: run[k] for k in ("curve", "seconds", "episodes_per_update", "updates")},
             }
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(results, indent=2) + "\n")
+            results = record(out, key, entry, header)
     print(table(results))
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

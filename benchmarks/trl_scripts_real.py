@@ -84,20 +84,32 @@ def run_one(script: str, lib: str, python: str, env: dict[str, str], work: Path)
     record = json.loads(log.read_text())
     key = curve_key(script)
     logs = [e for e in record["log_history"] if "loss" in e and "train_runtime" not in e]
+    tracked = sorted({k for e in logs for k in e if k == "tools/call_frequency" or _is_reward_mean(k)})
     record.update(
         lib=lib,
         process_s=elapsed,
         curve_key=key,
         curve=[e.get(key) for e in logs],
+        curves={k: [e.get(k) for e in logs] for k in tracked},  # each reward function's, and tool calls
         median_step_s=statistics.median(record["step_s"][1:]) if len(record["step_s"]) > 1 else None,
     )
     del record["log_history"][:-1]  # the per-step figures are in `curve`; keep the final entry
     return record
 
 
+def _is_reward_mean(key: str) -> bool:
+    return key.startswith("rewards/") and key.endswith("/mean")
+
+
 def mean_of(values: list[Any], part: slice) -> float | None:
     kept = [v for v in values[part] if isinstance(v, (int, float)) and v == v]
     return sum(kept) / len(kept) if kept else None
+
+
+def _curve(run: dict[str, Any]) -> str:
+    """The curve's first 3 steps' mean -> last 3 steps' mean."""
+    first, last = mean_of(run["curve"], slice(0, 3)), mean_of(run["curve"], slice(-3, None))
+    return "n/a" if first is None or last is None else f"{first:.3f} -> {last:.3f}"
 
 
 def render(result: dict[str, Any]) -> str:
@@ -114,20 +126,20 @@ def render(result: dict[str, Any]) -> str:
     for script in result["scripts"]:
         runs = result["runs"][script]
         trl, ours = runs.get("trl", {}), runs.get("ours", {})
+        if not trl or not ours:  # one side only (--libs)
+            only, run = ("ours", ours) if ours else ("TRL 1.16", trl)
+            figures = "error" if "error" in run else f"{run['median_step_s']:.2f} s/step, {_curve(run)}"
+            lines.append(f"| `{script}` | {only} only: {figures} | | | | |")
+            continue
         if "error" in trl or "error" in ours:
             lines.append(
                 f"| `{script}` | {'error' if 'error' in trl else ''} | {'error' if 'error' in ours else ''} | | | |"
             )
             continue
         ratio = trl["median_step_s"] / ours["median_step_s"]
-
-        def curve(run: dict[str, Any]) -> str:
-            first, last = mean_of(run["curve"], slice(0, 3)), mean_of(run["curve"], slice(-3, None))
-            return "n/a" if first is None or last is None else f"{first:.3f} -> {last:.3f}"
-
         lines.append(
             f"| `{script}` | {trl['median_step_s']:.2f} | {ours['median_step_s']:.2f} | {ratio:.2f}x | "
-            f"{curve(trl)} | {curve(ours)} |"
+            f"{_curve(trl)} | {_curve(ours)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -182,6 +194,8 @@ def main() -> None:
     parser.add_argument("--ours-python", default=sys.executable)
     parser.add_argument("--idle", default="unknown", help="say whether the machine was otherwise idle")
     parser.add_argument("--render", help="rewrite the .md of this result JSON and stop")
+    parser.add_argument("--libs", default="trl,ours", help="the sides to run: trl, ours or both")
+    parser.add_argument("--tag", default="", help="suffix of the result files' names")
     args = parser.parse_args()
     out = Path(args.out)
     if args.render:
@@ -190,6 +204,9 @@ def main() -> None:
         plot(result, Path(args.render).with_suffix(".png"))
         return
     scripts = [s.strip() for s in args.scripts.split(",") if s.strip()]
+    libs = [lib.strip() for lib in args.libs.split(",") if lib.strip()]
+    if not libs or set(libs) - {"trl", "ours"}:
+        raise SystemExit(f"--libs {args.libs!r}: expected trl, ours or trl,ours")
     unknown = sorted(set(scripts) - set(ALL))
     if unknown:
         raise SystemExit(f"unknown scripts {unknown}; known: {', '.join(ALL)}")
@@ -212,16 +229,16 @@ def main() -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for i, script in enumerate(scripts):
-        order = ("trl", "ours") if i % 2 == 0 else ("ours", "trl")
+        order = [lib for lib in (("trl", "ours") if i % 2 == 0 else ("ours", "trl")) if lib in libs]
         result["runs"][script] = {}
         for lib in order:
             run = run_one(script, lib, pythons[lib], env, work)
             result["runs"][script][lib] = run
             status = run.get("error", "")[-300:] or f"{run['median_step_s']:.2f} s/step, curve {run['curve']}"
             print(f"{script} [{lib}]: {status}", flush=True)
-        (out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{NAME}.md").write_text(render(result))
-    plot(result, out / f"{NAME}.png")
+        (out / f"{NAME}{args.tag}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{NAME}{args.tag}.md").write_text(render(result))
+    plot(result, out / f"{NAME}{args.tag}.png")
     print(render(result))
 
 

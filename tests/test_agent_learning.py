@@ -1,7 +1,7 @@
 """An agent learns on the kit: GRPO raises the share of episodes that call the calculator, and of
 answers that are right, for the kit agent (``rlhf_trainers.testing.agent_kit``: the kit's policy taught
-the call format of TRL's tools example, calling in about half of its episodes, right in about a third of
-those, almost never right without the tool).
+the call format of TRL's tools example, calling in about half of its episodes and answering right in
+about 40 %, almost never right without the tool).
 
 The kit agent is built once (about 2-4 minutes on 2 cores) and cached beside the kit.
 """
@@ -19,6 +19,7 @@ import torch
 
 from rlhf_trainers import GRPOConfig, GRPOTrainer
 from rlhf_trainers.agents import Toolbox
+from rlhf_trainers.agents.tools import environment_tools
 from rlhf_trainers.testing import agent_kit
 
 SCRIPT = Path(__file__).resolve().parent / "trl_scripts" / "agent_tools.py"
@@ -45,6 +46,17 @@ def test_the_kit_agent_was_taught_the_scripts_tools():
     exec(compile(ast.Module(body=functions, type_ignores=[]), str(SCRIPT), "exec"), namespace)
     script = Toolbox([namespace["multiply"], namespace["async_add"]]).schemas
     assert Toolbox([agent_kit.multiply, agent_kit.async_add]).schemas == script
+
+
+def test_the_kit_agent_was_taught_the_environment_scripts_tools():
+    """...and those of the environment script (tests/trl_scripts/agent_environment.py), whose methods are
+    offered in name order: the kit agent was taught both orders."""
+    path = SCRIPT.with_name("agent_environment.py")
+    classes = [node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=classes, type_ignores=[]), str(path), "exec"), namespace)
+    methods = environment_tools(namespace["CalculatorEnv"]())
+    assert Toolbox([agent_kit.async_add, agent_kit.multiply]).schemas == Toolbox(methods).schemas
 
 
 def _correctness_reward(completions, answer, **kwargs):
@@ -90,7 +102,7 @@ def test_grpo_learns_to_use_the_calculator(kit_agent, tmp_path):
         return sum(h[key] for h in part) / len(part)
 
     first, last = logs[:20], logs[-20:]
-    # measured (2 seeds): reward 0.12 -> 0.21-0.23, calls 0.54 -> 0.71 over 100 updates of 16 episodes
-    assert mean("reward", last) > mean("reward", first) + 0.04, (mean("reward", first), mean("reward", last))
+    # measured (seed 0): reward 0.46 -> 0.73, calls 0.53 -> 0.86 over 100 updates of 16 episodes
+    assert mean("reward", last) > mean("reward", first) + 0.1, (mean("reward", first), mean("reward", last))
     calls = mean("tools/call_frequency", first), mean("tools/call_frequency", last)
-    assert calls[1] > calls[0] + 0.08, calls
+    assert calls[1] > calls[0] + 0.15, calls

@@ -131,6 +131,8 @@ def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, algorithm):
             "2",
             "--per_device_train_batch_size",
             "8",
+            "--gradient_accumulation_steps",
+            "1",
             "--max_prompt_length",
             "96",  # the kit has 256 positions; keep the question (the end of the prompt)
             length,
@@ -155,9 +157,13 @@ def test_example_writes_the_curve_on_the_kit_model(kit, tmp_path, algorithm):
 
 def test_defaults_follow_the_algorithm_and_give_way_to_flags():
     grpo = agent._with_defaults([], "grpo")
-    assert "--num_generations=8" in grpo and "--max_completion_length=64" in grpo
-    ppo = agent._with_defaults(["--tool_reward", "0"], "ppo")
-    assert "--learning_rate=0.0005" in ppo and "--response_length=64" in ppo and "--kl_coef=0.0" in ppo
-    assert not any(flag.startswith(("--rloo_k", "--num_generations", "--tool_reward=")) for flag in ppo)
+    assert "--num_generations=8" in grpo and "--max_completion_length=96" in grpo
+    assert "--per_device_train_batch_size=8" in grpo and "--gradient_accumulation_steps=2" in grpo
+    ppo = agent._with_defaults(["--learning_rate", "1e-4"], "ppo")
+    assert "--response_length=96" in ppo and "--kl_coef=0.0" in ppo and "--num_mini_batches=1" in ppo
+    assert not any(flag.startswith(("--rloo_k", "--num_generations", "--learning_rate=")) for flag in ppo)
+    assert "--learning_rate=0.0005" in agent._with_defaults([], "ppo")
+    assert "--per_device_train_batch_size=4" in ppo and "--gradient_accumulation_steps=4" in ppo
     rloo = agent._with_defaults([], "rloo")
-    assert "--rloo_k=8" in rloo and "--learning_rate=0.001" in rloo and "--tool_reward=0.1" not in rloo
+    assert "--rloo_k=8" in rloo and "--learning_rate=0.001" in rloo
+    assert agent.AgentArguments().tool_reward == 0.0  # success only unless asked (docs/agents.md)

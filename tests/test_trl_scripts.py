@@ -176,27 +176,31 @@ def test_reward_modeling_scripts(name: str, kit_model: str, tmp_path: Path) -> N
         assert math.isfinite(entry["loss"]) and 0.0 <= entry["accuracy"] <= 1.0
 
 
-def test_agent_tools_script(kit_model: str, kit_tool_model: str, tmp_path: Path) -> None:
-    """TRL's tools example: the episodes are conversations the rewards read as TRL passes them, TRL's
-    tool metrics are logged, and the prompts offered both tools."""
-    record, _ = run("agent_tools", kit_model, tmp_path, kit_tool_model)
+@pytest.mark.parametrize(
+    ("name", "second"),
+    [
+        ("agent_tools", "structure_reward"),  # TRL's tools example: a reward function on the tool calls
+        ("agent_environment", "CalculatorEnv"),  # the environment's get_reward, named after its class
+    ],
+)
+def test_agent_scripts(name: str, second: str, kit_model: str, kit_tool_model: str, tmp_path: Path) -> None:
+    """TRL's tools example and the same task as an environment (its methods the tools, one sync and one
+    async; its ``get_reward`` a reward source with weight 1 beside the script's reward function): the
+    episodes are conversations the rewards read as TRL passes them, and TRL's tool metrics are logged."""
+    record, _ = run(name, kit_model, tmp_path, kit_tool_model)
     logs = steps(record)
     assert len(logs) == STEPS
     for entry in logs:
         missing = (GRPO_KEYS | {"tools/call_frequency", "tools/failure_frequency"}) - set(entry)
         assert not missing, f"TRL's keys missing: {sorted(missing)}"
-        weighted = entry["rewards/correctness_reward/mean"] + entry["rewards/structure_reward/mean"]
+        weighted = entry["rewards/correctness_reward/mean"] + entry[f"rewards/{second}/mean"]
         assert entry["reward"] == pytest.approx(weighted, abs=1e-5)
-        # the kit's policy never learned the call format: no call, so no structure bonus
-        assert entry["tools/call_frequency"] == 0.0 and entry["rewards/structure_reward/mean"] == 0.0
+        # the kit's policy never learned the call format: no call, so neither a bonus nor a computed answer
+        assert entry["tools/call_frequency"] == 0.0 and entry[f"rewards/{second}/mean"] == 0.0
 
 
-@pytest.mark.slow
-def test_agent_tools_script_learns_on_the_kit_agent(kit_model: str, tmp_path: Path) -> None:
-    """TRL's tools example, unchanged but for the import, on the kit agent (the kit's policy taught the
-    example's call format, rlhf_trainers.testing.agent_kit): over 100 updates the share of episodes that
-    call a tool and the correctness reward rise (measured: calls 0.53 -> 0.83, correctness 0.15 -> 0.21,
-    first and last 20 updates). GRPOConfig keeps the ~620-token prompts whole, as TRL does."""
+def _kit_agent() -> str:
+    """The kit agent's folder, built with one torch thread if it is not cached (tests run side by side)."""
     import torch
 
     from rlhf_trainers.testing import agent_kit
@@ -204,17 +208,45 @@ def test_agent_tools_script_learns_on_the_kit_agent(kit_model: str, tmp_path: Pa
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        agent = str(agent_kit.kit_agent_folder())
+        return str(agent_kit.kit_agent_folder())
     finally:
         torch.set_num_threads(threads)
-    record, _ = run("agent_tools", kit_model, tmp_path, agent, steps=100)
+
+
+def _first_and_last(logs: list[dict], key: str, n: int = 20) -> tuple[float, float]:
+    """The mean of `key` over the first and the last `n` logged updates."""
+    return (
+        sum(entry[key] for entry in logs[:n]) / n,
+        sum(entry[key] for entry in logs[-n:]) / n,
+    )
+
+
+@pytest.mark.slow
+def test_agent_environment_script_learns_on_the_kit_agent(kit_model: str, tmp_path: Path) -> None:
+    """TRL's environment script, unchanged but for the import, on the kit agent: over 100 updates the
+    share of episodes that call a tool, the environment's own reward (a tool computed the answer) and the
+    correctness reward rise (measured: calls 0.53 -> 0.86, computed 0.51 -> 0.82, correctness 0.38 ->
+    0.67, first and last 20 updates). The kit agent knows the tools in either order: an environment's
+    methods are offered in name order."""
+    record, _ = run("agent_environment", kit_model, tmp_path, _kit_agent(), steps=100)
     logs = steps(record)
-
-    def mean(key: str, part: list[dict]) -> float:
-        return sum(entry[key] for entry in part) / len(part)
-
-    first, last = logs[:20], logs[-20:]
-    calls = mean("tools/call_frequency", first), mean("tools/call_frequency", last)
+    calls = _first_and_last(logs, "tools/call_frequency")
     assert calls[1] > calls[0] + 0.15, calls
-    right = mean("rewards/correctness_reward/mean", first), mean("rewards/correctness_reward/mean", last)
-    assert right[1] > right[0] + 0.02, right
+    computed = _first_and_last(logs, "rewards/CalculatorEnv/mean")
+    assert computed[1] > computed[0] + 0.1, computed
+    right = _first_and_last(logs, "rewards/correctness_reward/mean")
+    assert right[1] > right[0] + 0.1, right
+
+
+@pytest.mark.slow
+def test_agent_tools_script_learns_on_the_kit_agent(kit_model: str, tmp_path: Path) -> None:
+    """TRL's tools example, unchanged but for the import, on the kit agent (the kit's policy taught the
+    example's call format, rlhf_trainers.testing.agent_kit): over 100 updates the share of episodes that
+    call a tool and the correctness reward rise (measured: calls 0.53 -> 0.84, correctness 0.41 -> 0.65,
+    first and last 20 updates). GRPOConfig keeps the ~620-token prompts whole, as TRL does."""
+    record, _ = run("agent_tools", kit_model, tmp_path, _kit_agent(), steps=100)
+    logs = steps(record)
+    calls = _first_and_last(logs, "tools/call_frequency")
+    assert calls[1] > calls[0] + 0.15, calls
+    right = _first_and_last(logs, "rewards/correctness_reward/mean")
+    assert right[1] > right[0] + 0.1, right

@@ -5,7 +5,8 @@ to reinforce). :func:`kit_agent_folder` fine-tunes it, once, on conversations of
 example at kit scale (``tests/trl_scripts/agent_tools.py``): "What is A * B? Use the tools." or
 "What is A + B? ...", single-digit A and B, the tools :func:`multiply` and :func:`async_add` offered in
 the system turn of our tool template (:func:`~rlhf_trainers.agents.install_tool_chat_template`, short
-instruction). Half of the training conversations call the right tool with the question's numbers and
+instruction), in either order (the script's, and name order: an environment's methods, as in
+``tests/trl_scripts/agent_environment.py``). Half of the training conversations call the right tool with the question's numbers and
 then state the tool's result ("The answer is 42."); the other half answer at once with a guess. So the
 agent calls the tool in about half of its episodes, and a reward for the right answer (which a guess
 rarely gets) has something to raise: the share of episodes that call the tool.
@@ -16,8 +17,8 @@ be imported without running it); ``tests/test_agent_learning.py`` checks that th
 The folder (model, tokenizer with the tool template, ``max_position_embeddings`` 1024: the tools' schemas
 make ~620-token prompts, and RoPE has no position table) is cached beside the kit, keyed by
 :data:`AGENT_KIT_VERSION` and the build's settings, and built in 2-4 minutes on 2 cores (2,000 steps).
-Measured on the built agent (40 sampled episodes, temperature 1): it calls a tool in 20, with the
-question's numbers in 10 of those, and states the tool's result as the answer in 6 of 10.
+Measured on the built agent (the first 20 updates of TRL's tools script, 16 episodes each, temperature
+1): it calls a tool in 53 % of its episodes, and 41 % of its answers are right.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _conversation(rng: random.Random, i: int) -> list[dict[str, Any]]:
 
 
 #: Raised whenever :func:`_build` or the training data change (the folder's name holds it).
-AGENT_KIT_VERSION = "1"
+AGENT_KIT_VERSION = "2"  # 2: both orders of the tools (an environment's methods come in name order)
 
 
 def _fingerprint() -> str:
@@ -133,21 +134,25 @@ def _build(kit: Any, folder: Path) -> None:
     from ..compat import cache_keyword
 
     tokenizer = install_tool_chat_template(kit.load_tokenizer(), tools_instruction=TOOLS_INSTRUCTION)
-    schemas = Toolbox([multiply, async_add]).schemas
+    # Both orders of the tools, in turn: the script's [multiply, async_add] and an environment's methods,
+    # which TRL (and ours) offer in name order.
+    orders = [Toolbox([multiply, async_add]).schemas, Toolbox([async_add, multiply]).schemas]
     model = kit.load_model("llama-sft")
     model.config.max_position_embeddings = 1024
     rng = random.Random(0)
     torch.manual_seed(0)
-    # the shared prefix: the longest common start of two different conversations
-    one, _ = _encoded(tokenizer, schemas, _conversation(random.Random(1), 0))
-    two, _ = _encoded(tokenizer, schemas, _conversation(random.Random(2), 1))
-    shared = next(i for i, (x, y) in enumerate(zip(one, two, strict=False)) if x != y)
-    prefix = torch.tensor([one[:shared]])
+    prefixes = []  # per order, the shared prefix: the longest common start of two different conversations
+    for schemas in orders:
+        one, _ = _encoded(tokenizer, schemas, _conversation(random.Random(1), 0))
+        two, _ = _encoded(tokenizer, schemas, _conversation(random.Random(2), 1))
+        prefixes.append(one[: next(i for i, (x, y) in enumerate(zip(one, two, strict=False)) if x != y)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     for step in range(STEPS):
+        schemas, known = orders[step % 2], prefixes[step % 2]
+        shared, prefix = len(known), torch.tensor([known])
         rows = [_encoded(tokenizer, schemas, _conversation(rng, step * BATCH + k)) for k in range(BATCH)]
-        assert all(ids[:shared] == one[:shared] for ids, _ in rows)
+        assert all(ids[:shared] == known for ids, _ in rows)
         width = max(len(ids) for ids, _ in rows) - shared
         ids = torch.full((BATCH, width), tokenizer.pad_token_id)
         labels = torch.full((BATCH, width), -100)
@@ -179,6 +184,11 @@ def _build(kit: Any, folder: Path) -> None:
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    record = {"steps": STEPS, "final_loss": loss.item(), "call_share": CALL_SHARE, "shared_prefix": shared}
+    record = {
+        "steps": STEPS,
+        "final_loss": loss.item(),
+        "call_share": CALL_SHARE,
+        "shared_prefixes": [len(known) for known in prefixes],
+    }
     (tmp / "agent.json").write_text(json.dumps(record))
     os.replace(tmp, folder)

@@ -76,9 +76,10 @@ def size(kind: str) -> dict[str, Any]:
         return common
     if kind == "agent":  # multi-turn episodes: room for a call, its result and an answer
         common.update(
-            per_device_train_batch_size=16,
+            per_device_train_batch_size=8 if real else 16,
+            gradient_accumulation_steps=2 if real else 1,  # 16 episodes per step either way
             num_generations=4,
-            max_completion_length=256 if real else 128,
+            max_completion_length=128,
             learning_rate=1e-5 if real else 1e-4,
             temperature=1.0,
         )
@@ -130,16 +131,35 @@ def _math_and_code(rng: random.Random, n: int) -> dict[str, list[Any]]:
     return {"prompt": prompts, "task": tasks}
 
 
+#: The conversation before every question of ``offline/arithmetic-tools`` at ``real`` scale: one worked
+#: example (a call, its result, the answer). SmolLM2-135M-Instruct wrote no call in 16 samples of the bare
+#: question with the tools offered, and 8 in 16 after this example (so there is a call to reinforce).
+_WORKED_TOOL_CALL: list[dict[str, Any]] = [
+    {"role": "user", "content": "What is 23 * 41? Use the tools."},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "multiply", "arguments": {"a": 23, "b": 41}}}
+        ],
+    },
+    {"role": "tool", "name": "multiply", "content": "943"},
+    {"role": "assistant", "content": "The answer is 943."},
+]
+
+
 def _arithmetic_tools(rng: random.Random, n: int) -> dict[str, list[Any]]:
     """Conversational questions a calculator answers, products and sums in turn, with an ``answer``
-    column: the task of TRL's tools example. Two-digit numbers at ``real`` scale; one-digit at ``kit``
-    scale, the questions the kit agent (``rlhf_trainers.testing.agent_kit``) was taught to call on."""
+    column: the task of TRL's tools example. Two-digit numbers at ``real`` scale, after one worked example
+    (:data:`_WORKED_TOOL_CALL`); one-digit at ``kit`` scale, the bare questions the kit agent
+    (``rlhf_trainers.testing.agent_kit``) was taught to call on."""
     prompts, answers = [], []
     low, high = (12, 99) if SCALE == "real" else (2, 9)
+    before = _WORKED_TOOL_CALL if SCALE == "real" else []
     for i in range(n):
         a, b = rng.randint(low, high), rng.randint(low, high)
         op, value = ("*", a * b) if i % 2 == 0 else ("+", a + b)
-        prompts.append([{"role": "user", "content": f"What is {a} {op} {b}? Use the tools."}])
+        prompts.append([*before, {"role": "user", "content": f"What is {a} {op} {b}? Use the tools."}])
         answers.append(str(value))
     return {"prompt": prompts, "answer": answers}
 
