@@ -277,6 +277,24 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def curve_table(results: dict[str, Any], key: str) -> str:
+    """`key` (success or tool_use) per update, the mean over each side's seeds, one row per side."""
+    by_impl = {impl: [r for r in results["runs"].values() if r["impl"] == impl] for impl in IMPLS}
+    by_impl = {impl: runs for impl, runs in by_impl.items() if runs}
+    updates = max(len(run["curve"]) for runs in by_impl.values() for run in runs)
+    lines = [
+        f"| {key} (mean of seeds) | " + " | ".join(str(u) for u in range(1, updates + 1)) + " |",
+        "|---|" + "---:|" * updates,
+    ]
+    for impl, runs in by_impl.items():
+        cells = []
+        for i in range(updates):
+            values = [run["curve"][i][key] for run in runs if len(run["curve"]) > i]
+            cells.append(f"{statistics.fmean(values):.2f}" if values else "")
+        lines.append(f"| {LABELS[impl]} ({len(runs)} seeds) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     """Success and tool use per update against episodes: one thin line per seed, the mean over seeds
     thick, one colour per side."""
@@ -304,7 +322,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("episodes", fontsize=9)
         ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="upper left")
+    axes[0].legend(fontsize=8, loc="lower right")
     fig.suptitle("SmolLM2-135M-Instruct + LoRA learns to call multiply (examples/agent.py)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -357,7 +375,7 @@ def main() -> None:
     out = args.out / f"agent_vs_trl{args.tag}.json"
     if args.render:
         results = json.loads(out.read_text())
-        print(table(results))
+        print(table(results), curve_table(results, "success"), curve_table(results, "tool_use"), sep="\n\n")
         if args.plot:
             plot(results, args.plot)
         return

@@ -3,7 +3,8 @@ take 3 assistant turns, those of rank 1 one, so the ranks need different numbers
 (and of calls per round); each generation call is a collective (a shared failure check; under ZeRO-3 the
 weights are gathered per call, or the forward passes run in step). The run must finish (not deadlock),
 both ranks must end with the same weights, and the tool metrics must count both ranks' episodes, in
-training and in evaluation."""
+training and in evaluation. The same with the tool as an environment's method (``environment_factory``):
+each episode has its own environment on its own rank, and its ``get_reward`` is gathered like a reward."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 MODES = [
     pytest.param(None, [], id="ddp"),
+    pytest.param(None, ["--environment"], id="ddp-environment"),
     pytest.param("zero3", [], id="zero3", marks=[pytest.mark.deepspeed, requires_deepspeed]),
     pytest.param(  # generation in step, the weights fetched layer by layer: slow on CPU, so 1 step
         "zero3",
@@ -42,3 +44,5 @@ def test_tool_episodes_of_different_lengths_on_two_processes(deepspeed, flags, t
         assert metrics[f"{prefix}tools/call_frequency"] == pytest.approx(1.0), metrics
         assert metrics[f"{prefix}tools/turns_per_episode"] == pytest.approx(2.0), metrics
     assert rank1["logged"] == rank0["logged"] and rank1["eval"] == rank0["eval"]
+    if "--environment" in flags:  # each episode's own environment: rank 0's counted 2 calls, rank 1's none
+        assert all(m["rewards/AddEnv/mean"] == pytest.approx(1.0) for m in rank0["logged"]), rank0["logged"]

@@ -3,7 +3,8 @@ the episodes of rank 0 take 3 assistant turns (every turn of every row is script
 the call fits: twice, then the policy writes the last turn), those of the other ranks one (the kit's
 policy never calls a tool), so
 rank 0 runs more rounds of generation than the others, in 2 chunks per round
-(``local_rollout_forward_batch_size=4`` for 8 rows). Trains ``--max_steps`` (2) steps and evaluates; writes
+(``local_rollout_forward_batch_size=4`` for 8 rows). With ``--environment`` the tool is the method of an
+environment per episode (``environment_factory``), whose ``get_reward`` counts its calls. Trains ``--max_steps`` (2) steps and evaluates; writes
 ``result-rank<R>.json`` (the policy's digest, the logged tool metrics, the eval's) for
 ``tests/test_agent_distributed.py``. A deadlock dumps every rank's stacks and exits after
 ``--dump_stacks_after`` seconds.
@@ -34,6 +35,26 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+class AddEnv:
+    """``add`` as an environment's method (``--environment``): counts its calls, which ``get_reward`` pays."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: A.
+            b: B.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
 def reward(completions, **kwargs):
     """Differs between the episodes of a group (so the advantages, and the update, are not 0)."""
     return [float(len(str(c)) % 7) for c in completions]
@@ -61,6 +82,7 @@ def main() -> None:
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--no_gather_for_generation", action="store_true")
     parser.add_argument("--max_steps", type=int, default=2)
+    parser.add_argument("--environment", action="store_true", help="environment_factory=AddEnv, not tools")
     parser.add_argument("--dump_stacks_after", type=float, default=480)
     cli = parser.parse_args()
     faulthandler.dump_traceback_later(cli.dump_stacks_after, exit=True)
@@ -93,7 +115,7 @@ def main() -> None:
         train_dataset=kit.prompt_dataset("train", n=64, chat=True),
         eval_dataset=kit.prompt_dataset("test", n=8, chat=True),
         processing_class=tokenizer,
-        tools=[add],
+        **({"environment_factory": AddEnv} if cli.environment else {"tools": [add]}),
     )
     if trainer.accelerator.process_index == 0:
         script_every_turn(trainer)
@@ -111,7 +133,9 @@ def main() -> None:
             "before": before,
             "digest": parameter_digest(trainer.policy)[0],
             "global_step": trainer.state.global_step,
-            "logged": [{k: v for k, v in h.items() if k.startswith("tools/")} for h in logged],
+            "logged": [
+                {k: v for k, v in h.items() if k.startswith(("tools/", "rewards/AddEnv/"))} for h in logged
+            ],
             "eval": {k: v for k, v in metrics.items() if k.startswith("eval_tools/")},
         },
     )
