@@ -30,7 +30,9 @@ POLICY = "llama-hd32-sft"
 LONG_CALL = "I will add the two numbers with the tool now.\n" + ADD_CALL
 
 
-def _trainer(kit, tmp_path, reward_funcs=_length_reward, **overrides) -> GRPOTrainer:
+def _trainer(kit, tmp_path, reward_funcs=_length_reward, agent=None, **overrides) -> GRPOTrainer:
+    """A GRPOTrainer with vLLM on the kit; its tools are ``[add]`` unless ``agent`` gives other keyword
+    arguments (e.g. ``environment_factory``)."""
     fields = {
         "output_dir": str(tmp_path / "out"),
         "use_vllm": True,
@@ -55,7 +57,7 @@ def _trainer(kit, tmp_path, reward_funcs=_length_reward, **overrides) -> GRPOTra
         args=GRPOConfig(**fields),
         train_dataset=kit.prompt_dataset("train", n=32, chat=True),
         processing_class=_tokenizer(kit),
-        tools=[add],
+        **(agent if agent is not None else {"tools": [add]}),
     )
 
 
@@ -151,6 +153,46 @@ def test_grpo_multi_turn_with_vllm_trains_on_the_kit(kit, tmp_path):
     assert [r["rows"] for r in record] == [8, 4, 8, 4]
     assert all(r["stop_ids"] == trainer.producer.stop_ids for r in record)
     assert all(r["max_new_tokens"] < trainer.args.response_length for r in record[1::2])
+
+
+class _AddEnv:
+    """``add`` as an environment's method; ``get_reward`` counts the episode's calls."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+def test_grpo_with_environments_and_vllm_trains_on_the_kit(kit, tmp_path):
+    """environment_factory with vLLM: each episode's environment runs its calls (the scripted half of
+    each group calls once, so ``get_reward`` is 1 there and 0 elsewhere), the turn after the result is
+    vLLM's sample, and the log-probs of vLLM and of the trainer agree on the policy's tokens."""
+    trainer = _trainer(kit, tmp_path, agent={"environment_factory": _AddEnv}, max_steps=2)
+    record = _script(trainer, [ADD_CALL, ADD_CALL, None, None])
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "tools/call_frequency" in h]
+    assert len(logged) == 2
+    for h in logged:
+        assert h["tools/call_frequency"] == pytest.approx(0.5)
+        assert h["rewards/_AddEnv/mean"] == pytest.approx(0.5)
+        assert h["sampling/sampling_logp_difference/max"] < 1e-3
+    assert [r["rows"] for r in record] == [8, 4, 8, 4]
+    assert any(
+        not torch.equal(a, b.detach()) for a, b in zip(before, trainer.policy.parameters(), strict=True)
+    )
 
 
 def test_vllms_logprobs_as_the_old_ones_leave_the_tool_tokens_out(kit, tmp_path):
