@@ -121,6 +121,16 @@ def _tool_positions(rollout) -> torch.Tensor:
     return rollout.response_mask & ~rollout.loss_mask
 
 
+def train_and_check_it_moved(trainer) -> list[dict]:
+    """Train `trainer`, check that the policy's weights changed, and return the logged updates' entries
+    (those with tool metrics)."""
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    trainer.train()
+    after = trainer.policy.parameters()
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, after, strict=True))
+    return [h for h in trainer.state.log_history if "tools/call_frequency" in h]
+
+
 def assert_tool_tokens_out_of_the_loss(trainer, rollout, tool: torch.Tensor) -> None:
     """The loss's gradient with respect to the log-probs is 0 at the ``tool`` positions and not elsewhere,
     and changing the rollout's old and reference log-probs there changes neither the loss, its gradient
@@ -185,9 +195,7 @@ def test_a_grpo_run_with_a_tool_trains_and_logs_trls_tool_metrics(kit, tmp_path)
     trainer = _trainer(kit, tmp_path, reward_funcs=reward, max_steps=2)
     assert isinstance(trainer.producer, MultiTurnProducer)
     _script(trainer, [ADD_CALL, ADD_CALL, None, None])  # half of each group calls the calculator
-    before = [p.detach().clone() for p in trainer.policy.parameters()]
-    trainer.train()
-    logged = [h for h in trainer.state.log_history if "tools/call_frequency" in h]
+    logged = train_and_check_it_moved(trainer)
     assert len(logged) == 2
     for h in logged:
         assert h["tools/call_frequency"] == pytest.approx(0.5)
@@ -195,9 +203,6 @@ def test_a_grpo_run_with_a_tool_trains_and_logs_trls_tool_metrics(kit, tmp_path)
         assert h["objective/scores"] == pytest.approx(0.5)  # exactly the rows that called the tool
         assert 1.0 < h["tools/turns_per_episode"] <= 1.5
         assert 0.0 < h["tools/inserted_token_frequency"] < 1.0
-    assert any(
-        not torch.equal(a, b.detach()) for a, b in zip(before, trainer.policy.parameters(), strict=True)
-    )
     # reward functions receive the conversation as TRL passes it: assistant turns and tool results
     called = [c for c in seen if len(c) > 1]
     assert called
