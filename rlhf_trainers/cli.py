@@ -6,6 +6,8 @@
 ``rlhf-trainers rloo``    train a policy with RLOO (:mod:`rlhf_trainers.scripts.rloo`)
 ``rlhf-trainers grpo``    train a policy with GRPO (:mod:`rlhf_trainers.scripts.grpo`)
 ``rlhf-trainers kit``     build the offline kit (or find it in the cache) and print where its assets are
+``rlhf-trainers vllm-serve``  start vLLM's server for training with ``vllm_mode="server"``
+                          (:mod:`rlhf_trainers.scripts.vllm_serve`)
 
 Each sub-command parses its own flags from dataclasses with ``transformers.HfArgumentParser``, so
 ``rlhf-trainers ppo --help`` documents every field (every ``PPOConfig`` field is a flag). The trainer
@@ -29,6 +31,7 @@ _COMMANDS = {
     "rloo": "train a policy with RLOO (RLOOTrainer; every RLOOConfig field is a flag)",
     "grpo": "train a policy with GRPO (GRPOTrainer, TRL's names; every GRPOConfig field is a flag)",
     "kit": "build the offline kit (tokenizer, tiny models, synthetic task) and print its paths",
+    "vllm-serve": "start vLLM's server for a model, ready for training with vllm_mode='server'",
 }
 
 #: The trainer sub-commands, each run by the module of the same name in rlhf_trainers.scripts.
@@ -49,7 +52,7 @@ class KitArguments:
 
 def _usage() -> str:
     lines = ["usage: rlhf-trainers {" + ",".join(_COMMANDS) + "} [--help] [flags]", "", "commands:"]
-    lines += [f"  {name:<6} {text}" for name, text in _COMMANDS.items()]
+    lines += [f"  {name:<10} {text}" for name, text in _COMMANDS.items()]
     lines += ["", "Run `rlhf-trainers COMMAND --help` for the flags of a command."]
     lines += [
         "Under accelerate: `accelerate launch [--config_file ...] -m rlhf_trainers.cli COMMAND [flags]`."
@@ -95,6 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # trains, saves and prints the metrics.
         script = importlib.import_module(f"rlhf_trainers.scripts.{command}")
         script.main(rest, prog=f"rlhf-trainers {command}")
+        return 0
+    if command == "vllm-serve":
+        from .scripts import vllm_serve
+
+        vllm_serve.main(rest)
         return 0
 
     from transformers import HfArgumentParser

@@ -21,9 +21,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The vLLM server fields (TRL's vllm_mode="server").
-_SERVER = "vLLM's server mode is not supported; use use_vllm=True with vllm_mode='colocate' (an engine in each training process)."
-
 #: field -> why it is not implemented and what to use instead (the field must keep TRL's default).
 REFUSED: dict[str, str] = {
     # on-policy (GRPO and RLOO)
@@ -39,11 +36,6 @@ REFUSED: dict[str, str] = {
     "cache_implementation": "generation uses the engine's own KV cache (generation_loop); leave it None.",
     "vllm_model_impl": "the colocated engine uses vLLM's own model implementation only.",
     "vllm_structured_outputs_regex": "structured (regex-constrained) outputs are not supported.",
-    "vllm_server_base_url": _SERVER,
-    "vllm_server_host": _SERVER,
-    "vllm_server_port": _SERVER,
-    "vllm_server_timeout": _SERVER,
-    "vllm_group_port": _SERVER,
     "sync_ref_model": "the reference model stays fixed (TR-DPO's reference syncing is not implemented).",
     "use_transformers_continuous_batching": "use generation_loop ('builtin' or 'transformers') or use_vllm=True.",
     "transformers_continuous_batching_config": "use generation_loop ('builtin' or 'transformers') or use_vllm=True.",
@@ -235,21 +227,6 @@ class TRLGenerationFields:
     vllm_model_impl: str = field(default="vllm", metadata=_help("vLLM's model implementation: 'vllm' only."))
     vllm_structured_outputs_regex: str | None = field(
         default=None, metadata=_help("TRL's regex-constrained vLLM outputs; not supported (None only).")
-    )
-    vllm_server_base_url: str | None = field(
-        default=None, metadata=_help("TRL's vLLM server mode; not supported (None only).")
-    )
-    vllm_server_host: str = field(
-        default="0.0.0.0", metadata=_help("TRL's vLLM server mode; not supported (the default only).")
-    )
-    vllm_server_port: int = field(
-        default=8000, metadata=_help("TRL's vLLM server mode; not supported (the default only).")
-    )
-    vllm_server_timeout: float = field(
-        default=240.0, metadata=_help("TRL's vLLM server mode; not supported (the default only).")
-    )
-    vllm_group_port: int = field(
-        default=51216, metadata=_help("TRL's vLLM server mode; not supported (the default only).")
     )
     sync_ref_model: bool = field(
         default=False, metadata=_help("TRL's TR-DPO reference syncing; not supported (False only).")

@@ -271,12 +271,12 @@ def test_vllms_logprobs_as_the_old_ones_spare_the_policy_pass_and_training_learn
     assert all(h["policy/ratio_at_start"] < 1e-3 for h in logged)
 
 
-def test_grpo_learns_with_vllm(kit, tmp_path):
-    """GRPOTrainer on the same engine: use_vllm works as for PPO and RLOO (TRL's names, a step is an
-    optimizer step; the vLLM importance weights reach GRPO's loss)."""
+def grpo_trainer(kit, tmp_path, **overrides):
+    """A GRPOTrainer with use_vllm on the kit's learning task (48 optimizer steps, 512 prompts, 96 held out);
+    ``overrides`` go to its GRPOConfig (e.g. vllm_mode='server')."""
     from rlhf_trainers import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(
+    settings = dict(
         output_dir=str(tmp_path / "grpo"),
         use_vllm=True,
         num_generations=4,
@@ -294,15 +294,20 @@ def test_grpo_learns_with_vllm(kit, tmp_path):
         num_sample_generations=0,
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(
+    return GRPOTrainer(
         model=kit.load_model(POLICY),
         reward_funcs=true_reward,
-        args=args,
+        args=GRPOConfig(**{**settings, **overrides}),
         train_dataset=kit.prompt_dataset("train", n=512),
         eval_dataset=kit.prompt_dataset("test", n=96),
         processing_class=kit.load_tokenizer(),
     )
-    _learns(trainer, 0.3)
+
+
+def test_grpo_learns_with_vllm(kit, tmp_path):
+    """GRPOTrainer on the same engine: use_vllm works as for PPO and RLOO (TRL's names, a step is an
+    optimizer step; the vLLM importance weights reach GRPO's loss)."""
+    _learns(grpo_trainer(kit, tmp_path), 0.3)
 
 
 def test_ppo_learns_with_a_reward_model(kit, tmp_path, reward_model_dir):

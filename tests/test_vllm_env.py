@@ -4,7 +4,7 @@
 vLLM's CPU build pins another ``transformers`` than the main environment and brings CUDA wheels that
 break it, so it lives in an environment of its own (:mod:`rlhf_trainers.testing.vllm_env`, built on first
 use, ~3 minutes on an idle machine, ~3.7 GB, then cached in ``~/.cache/rlhf_trainers/``). The proxy test
-below runs tests/test_vllm.py and tests/test_vllm_agents.py there with this checkout on ``PYTHONPATH``; a
+below runs tests/test_vllm.py, tests/test_vllm_agents.py and tests/test_vllm_server.py there with this checkout on ``PYTHONPATH``; a
 failure there fails it, with the output. The environment is built by a fixture, under the build's own limit
 (``vllm_env.BUILD_TIMEOUT_S``): the test's timeout counts only the tests' run (``func_only``), so a slow
 build on a busy machine does not use it up. Where the test
@@ -47,7 +47,8 @@ def test_vllm_tests_pass_in_the_vllm_environment(vllm_interpreter):
 
     python = vllm_interpreter
     # One process (no xdist in that environment): setup.cfg's -ra only (--dist and --strict-markers need xdist).
-    modules = [str(REPO / "tests" / name) for name in ("test_vllm.py", "test_vllm_agents.py")]
+    names = ("test_vllm.py", "test_vllm_agents.py", "test_vllm_server.py")
+    modules = [str(REPO / "tests" / name) for name in names]
     command = [str(python), "-m", "pytest", *modules, "-q", "-x"]
     command += ["-p", "no:cacheprovider", "-o", "addopts=-ra"]
     done = subprocess.run(

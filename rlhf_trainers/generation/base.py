@@ -20,6 +20,8 @@ __all__ = [
     "SamplingSettings",
     "check_samples",
     "filtered_scores",
+    "on_any_process",
+    "request_seeds",
 ]
 
 #: Called before every ``sample`` call for the context the sampling runs in (e.g. ZeRO-3 gathering).
@@ -83,6 +85,11 @@ class SamplingSettings:
     #: (the builtin loop); the caller cuts each row at its limit. A multi-turn producer gives it: its
     #: episodes have different numbers of tokens left.
     row_max_new_tokens: tuple[int, ...] | None = None
+    #: Where a backend that gives each request a seed of its own (vLLM) draws those seeds from: a generator
+    #: seeded with it, or None: torch's global generator. Asynchronous rollouts draw it before handing the
+    #: call to another thread (which must not draw from the global generator). The builtin loop samples
+    #: from the global generator and ignores it.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -216,6 +223,23 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
+
+
+def on_any_process(flag: bool, collective: bool, device: torch.device | str = "cpu") -> bool:
+    """``flag`` or'ed over every process (an all-reduce) when ``collective``, else ``flag``: a weight sync
+    that needs every process (gathered ZeRO-3 weights, a barrier) runs on all of them or on none."""
+    if not collective:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def request_seeds(rows: int, seed: int | None) -> list[int]:
+    """One seed per request: drawn from a generator seeded with ``seed``, or from torch's global generator
+    when it is None (:attr:`SamplingSettings.seed`)."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 1, (rows,), generator=generator).tolist()
 
 
 def padded_to(samples: Samples, width: int, pad_token_id: int) -> Samples:

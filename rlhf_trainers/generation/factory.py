@@ -26,6 +26,7 @@ def make_generation_backend(
     context: ContextFactory | None = None,
     weights_version: Callable[[], Hashable] | None = None,
     process_index: int = 0,
+    num_processes: int = 1,
     longest_sequence: int | None = None,
 ) -> GenerationBackend:
     """The backend that samples from ``model``.
@@ -42,7 +43,9 @@ def make_generation_backend(
             :func:`rlhf_trainers.distributed.generation_context`).
         weights_version: with ``config.use_vllm``: what changes when the policy's weights may have changed
             (the engine re-syncs them before the next generation); default: re-sync at every call.
-        process_index: with ``config.use_vllm``: this process's rank (the engine's seed is offset by it).
+        process_index: with ``config.use_vllm``: this process's rank (the engine's seed is offset by it; in
+            server mode the first process syncs the servers' weights).
+        num_processes: with ``vllm_mode='server'``: the training processes (the others wait for a sync).
         longest_sequence: with ``config.use_vllm``: the longest prompt + response the engine must hold
             (checked against its context length before it is built).
 
@@ -54,6 +57,10 @@ def make_generation_backend(
         raise ValueError(f"generation_loop={loop!r}: expected one of {GENERATION_LOOPS}.")
     if config is None:
         return BuiltinSampling(model, contexts=(context,))
+    if getattr(config, "use_vllm", False) and getattr(config, "vllm_mode", "colocate") == "server":
+        return _vllm_server_backend(
+            model, config, weights_version, process_index, num_processes, longest_sequence
+        )
     if getattr(config, "use_vllm", False):
         return _vllm_backend(model, config, weights_version, process_index, longest_sequence)
     if speedups is None:
@@ -90,6 +97,30 @@ def backend_summary(backend: GenerationBackend) -> str:
     "transformers.generate", "vllm 0.32.0 (colocated, float32)"..., with ", CPU speed-ups on
     (docs/cpu.md)" where any is on. A backend made elsewhere (a user's own) says its ``name``."""
     return getattr(backend, "summary", None) or backend.name
+
+
+def _vllm_server_backend(
+    model: nn.Module,
+    config: Any,
+    weights_version: Callable[[], Hashable] | None,
+    process_index: int,
+    num_processes: int,
+    longest_sequence: int | None,
+) -> GenerationBackend:
+    """The client of the vLLM servers that ``config``'s ``vllm_server_*`` settings name."""
+    from .vllm_server import VLLMServer, server_urls
+
+    urls = server_urls(config.vllm_server_base_url, config.vllm_server_host, config.vllm_server_port)
+    return VLLMServer(
+        model,
+        urls,
+        weights_version=weights_version if weights_version is not None else object,
+        timeout_s=config.vllm_server_timeout,
+        group_port=config.vllm_group_port,
+        process_index=process_index,
+        num_processes=num_processes,
+        longest_sequence=longest_sequence,
+    )
 
 
 def _vllm_backend(

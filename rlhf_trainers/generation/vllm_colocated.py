@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import GenerationError, Samples, SamplingSettings
+from .base import GenerationError, Samples, SamplingSettings, on_any_process, request_seeds
+from .weight_transfer import repack_tied_lm_head
 from .weights import inference_weights, untied_by_adapters
 
 __all__ = ["VLLM_INSTALL", "VLLMColocated", "import_vllm"]
@@ -179,20 +180,10 @@ def _release_engine(engine_core: Any) -> None:
 
 def _reload_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Run inside vLLM's worker (``collective_rpc``, in this process): reload the weights in place, read
-    from ``weights`` one at a time (an iterator, so that the merged weights are made as vLLM loads them).
-
-    An lm head tied to the input embedding receives no weights of its own (checkpoints hold the shared
-    tensor once, under the embedding's name), so vLLM's reload leaves it unprocessed: on CPU it keeps
-    the matmul kernel it packed from the old weights at load time (measured: log-probs off by 0.4 after
-    the embedding changed). Its post-load processing is run again here, which repacks the new weights
-    (a no-op on GPU, where the head reads the shared weight directly)."""
+    from ``weights`` one at a time (an iterator, so that the merged weights are made as vLLM loads them),
+    then repack a tied lm head (:func:`~rlhf_trainers.generation.weight_transfer.repack_tied_lm_head`)."""
     worker.reload_weights(weights_iterator=iter(weights))
-    model = worker.get_model()
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False):
-        for module in model.modules():
-            if type(module).__name__ == "ParallelLMHead" and hasattr(module, "quant_method"):
-                module.quant_method.process_weights_after_loading(module)
+    repack_tied_lm_head(worker.get_model())
 
 
 class VLLMColocated:
@@ -387,12 +378,7 @@ class VLLMColocated:
     def _sync_if_stale(self) -> None:
         """Sync when this process's weights changed; with ZeRO-3 partitioned weights (gathered module by
         module, a collective) when any process's did, so that every process syncs or none."""
-        stale = self.is_stale()
-        if self._partitioned:
-            flag = torch.tensor([float(stale)], device=self.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            stale = bool(flag.item())
-        if stale:
+        if on_any_process(self.is_stale(), self._partitioned, self.device):
             self.sync_weights()
 
     @torch.no_grad()
@@ -461,7 +447,7 @@ class VLLMColocated:
             self._sync_if_stale()
         except Exception as err:
             raise self._failed("syncing the policy's weights into it", err) from err
-        seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
+        seeds = request_seeds(len(rows), settings.seed)
         params = [
             SamplingParams(
                 n=1,

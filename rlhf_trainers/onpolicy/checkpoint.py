@@ -52,6 +52,9 @@ def write_extra_checkpoint_state(trainer: Any, folder: str) -> None:
     interruption, hands them to the resumed run's next entry, which then averages the same updates as
     an uninterrupted run's), and the non-finite step counts (``train/nonfinite_steps_skipped`` and
     the consecutive ones that ``max_nonfinite_steps`` limits)."""
+    ahead = trainer.rollouts_ahead
+    if ahead is not None:  # every process: its responses in flight
+        ahead.save(folder)
     if trainer.args.should_save:
         path = os.path.join(folder, ONPOLICY_STATE_FILE)
         guard = trainer._reliability.guard
@@ -92,6 +95,8 @@ def check_resume(trainer: Any, checkpoint: str) -> None:
 
 
 def load_onpolicy_state(trainer: Any, checkpoint: str) -> None:
+    if trainer.rollouts_ahead is not None:
+        trainer.rollouts_ahead.load(checkpoint)
     path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
     if not os.path.isfile(path):
         logger.warning(

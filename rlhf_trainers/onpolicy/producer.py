@@ -19,6 +19,7 @@ import torch
 from .. import functional as F
 from ..rewards import RewardLog
 from .rollout import ForwardPasses, Rollout, SampledResponses, Scores
+from .rollouts_ahead import RolloutsAhead
 
 
 @runtime_checkable
@@ -48,6 +49,13 @@ class SingleTurnProducer:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        if engine.args.async_rollouts and type(self) is not SingleTurnProducer:
+            raise ValueError(
+                "async_rollouts=True works with single-turn rollouts so far, not with tools=, "
+                "environment_factory= or rollout_func=; set async_rollouts=False."
+            )
+        #: With ``async_rollouts``: the generation one update ahead (:mod:`.rollouts_ahead`), else None.
+        self.ahead: RolloutsAhead | None = RolloutsAhead(self, engine) if engine.args.async_rollouts else None
 
     def produce(self, update: int, timings: dict[str, float], with_values: bool = True) -> Rollout:
         """The rollout of update ``update``, in the steps of LHPD's reference loop."""
@@ -60,9 +68,11 @@ class SingleTurnProducer:
         with torch.no_grad(), engine.accelerator.autocast():
             # b. sample: k completions per prompt, cut after the stop token (LHPD's truncation); the
             #    sampling loop's own log-probs when the rollout or the loss reads them.
-            samples = self.sample(
-                batch, engine.completions_per_prompt, engine.wants_generation_logprobs, timings
-            )
+            k, with_logprobs = engine.completions_per_prompt, engine.wants_generation_logprobs
+            if self.ahead is not None:  # generated while the previous update trained (async_rollouts)
+                samples = self.ahead.samples(update, batch, k, with_logprobs, timings)
+            else:
+                samples = self.sample(batch, k, with_logprobs, timings)
             # c. score: every reward source on the completions; the reward model reads the policy's ids when
             #    it shares the tokenizer, the decoded text otherwise.
             scores = self.score(samples, timings)
@@ -135,21 +145,55 @@ class SingleTurnProducer:
         ``local_rollout_forward_batch_size`` rows and cut after the stop token. With ``with_logprobs``
         also the sampling loop's own log-probs and entropy."""
         timings = timings if timings is not None else defaultdict(float)
-        device = self.engine.accelerator.device
-        query = batch["input_ids"].to(device).repeat(copies, 1)
-        query_mask = batch["attention_mask"].to(device).repeat(copies, 1)
-        prompts, columns = self._prompts_and_columns(batch)
-        pad = self.engine.processing_class.pad_token_id
+        query, query_mask = self.queries(batch, copies)
         step = self.engine.args.local_rollout_forward_batch_size
         if self.engine.sampler.backend.batches_internally:
             step = query.shape[0]  # one call: the engine (vLLM) schedules its own batches
-        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        chunks = []
         for start in range(0, query.shape[0], step):
             began = time.perf_counter()
-            generated, extras = self.engine.sampler.generate(
-                query[start : start + step], query_mask[start : start + step], with_logprobs=with_logprobs
+            chunks.append(
+                self.engine.sampler.generate(
+                    query[start : start + step], query_mask[start : start + step], with_logprobs=with_logprobs
+                )
             )
             timings["timing/generate"] += time.perf_counter() - began
+        return self._sampled(batch, copies, query, query_mask, chunks)
+
+    def queries(self, batch: dict[str, Any], copies: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt ids and mask of a collated ``batch`` repeated ``copies`` times, on the device."""
+        device = self.engine.accelerator.device
+        return (
+            batch["input_ids"].to(device).repeat(copies, 1),
+            batch["attention_mask"].to(device).repeat(copies, 1),
+        )
+
+    def samples_from(
+        self,
+        batch: dict[str, Any],
+        copies: int,
+        generated: torch.Tensor,
+        extras: dict[str, torch.Tensor] | None,
+    ) -> SampledResponses:
+        """:meth:`sample`'s result for responses generated elsewhere (asynchronous rollouts): the response
+        ids ``generated`` of the whole batch and their ``extras`` (log-probs) as the sampler returns them."""
+        query, query_mask = self.queries(batch, copies)
+        return self._sampled(batch, copies, query, query_mask, [(generated, extras)])
+
+    def _sampled(
+        self,
+        batch: dict[str, Any],
+        copies: int,
+        query: torch.Tensor,
+        query_mask: torch.Tensor,
+        chunks: list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]],
+    ) -> SampledResponses:
+        """The chunks' responses cut after the stop token, with their masks, lengths and log-probs."""
+        device = self.engine.accelerator.device
+        prompts, columns = self._prompts_and_columns(batch)
+        pad = self.engine.processing_class.pad_token_id
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for generated, extras in chunks:
             lengths = self._response_lengths(generated)
             mask = torch.arange(generated.shape[1], device=device)[None, :] < lengths[:, None]
             parts["response"].append(generated.masked_fill(~mask, pad))

@@ -6,6 +6,7 @@ generation fails."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .. import compat
 from ..cpu import decoding_speedups, keep_prepared_weights
 from ..distributed import generation_context
-from ..generation import GenerationError, SamplingSettings, check_samples, make_generation_backend
+from ..generation import GenerationError, Samples, SamplingSettings, check_samples, make_generation_backend
 
 
 class PolicySampler:
@@ -49,6 +50,7 @@ class PolicySampler:
             context=self._generation_context,
             weights_version=self.policy_weights_version,
             process_index=engine.accelerator.process_index,
+            num_processes=engine.accelerator.num_processes,
             longest_sequence=self._longest_prompt() + args.response_length,
         )
 
@@ -133,10 +135,34 @@ class PolicySampler:
         it), ``stop_ids`` (the stop tokens and the end of an assistant turn; None: :attr:`stop_ids`) and
         ``row_max_new_tokens`` (each row's own limit, :attr:`SamplingSettings.row_max_new_tokens`; the
         caller cuts each row there)."""
+        ahead = getattr(self.engine, "rollouts_ahead", None)
+        if ahead is not None:
+            ahead.settle()  # the servers' weights may change now: nothing of theirs may be in flight
+        settings = self.settings(
+            with_logprobs,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+            row_max_new_tokens=row_max_new_tokens,
+        )
+        return self.shared_result(
+            lambda: self.backend.sample(query, query_mask, settings), query.shape[0], settings
+        )
+
+    def settings(
+        self,
+        with_logprobs: bool,
+        *,
+        max_new_tokens: int | None = None,
+        stop_ids: list[int] | None = None,
+        row_max_new_tokens: list[int] | None = None,
+        seed: int | None = None,
+    ) -> SamplingSettings:
+        """The :class:`SamplingSettings` of a :meth:`generate` call (``seed``: see
+        :attr:`SamplingSettings.seed`)."""
         args = self.engine.args
         stops = self.stop_ids if stop_ids is None else stop_ids
         stop_in_generation = stops and args.truncate_after == 0
-        settings = SamplingSettings(
+        return SamplingSettings(
             max_new_tokens=args.response_length if max_new_tokens is None else max_new_tokens,
             pad_token_id=self.engine.processing_class.pad_token_id,
             temperature=args.temperature,
@@ -146,14 +172,21 @@ class PolicySampler:
             top_p=args.top_p,
             min_p=args.min_p,
             row_max_new_tokens=None if row_max_new_tokens is None else tuple(row_max_new_tokens),
+            seed=seed,
         )
+
+    def shared_result(
+        self, call: Callable[[], Samples], rows: int, settings: SamplingSettings
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """``call()`` (the backend's samples of ``rows`` prompts), checked, with its failure shared by every
+        process: the response ids, and ``{"logprobs", "entropy"}`` when ``settings`` asked for them."""
         processes = self.engine.accelerator.num_processes
         failure: Exception | None = None
         try:
             compiled = getattr(self.engine, "_compiled", None)
             with compiled.paused() if compiled is not None else contextlib.nullcontext():
-                samples = self.backend.sample(query, query_mask, settings)
-            check_samples(samples, query.shape[0], settings)
+                samples = call()
+            check_samples(samples, rows, settings)
         except GenerationError as err:
             failure = err
         except Exception as err:
@@ -176,7 +209,7 @@ class PolicySampler:
                     f"The generation backend raised {type(failure).__name__}: {failure}"
                 )
             raise self._generation_failed(failure) from failure
-        if not with_logprobs:
+        if not settings.return_logprobs:
             return samples.tokens, None
         return samples.tokens, {"logprobs": samples.logprobs, "entropy": samples.entropy}
 

@@ -131,9 +131,10 @@ def _math_and_code(rng: random.Random, n: int) -> dict[str, list[Any]]:
     return {"prompt": prompts, "task": tasks}
 
 
-#: The conversation before every question of ``offline/arithmetic-tools`` at ``real`` scale: one worked
-#: example (a call, its result, the answer). SmolLM2-135M-Instruct wrote no call in 16 samples of the bare
-#: question with the tools offered, and 8 in 16 after this example (so there is a call to reinforce).
+#: The conversation before every question of ``offline/arithmetic-tools`` at ``real`` scale: two worked
+#: examples (a call, its result, the answer), one per tool. SmolLM2-135M-Instruct wrote no call in 16 samples
+#: of the bare question with the tools offered, and 8 in 16 after one worked product; with only the
+#: product worked, its sums called made-up names (``add``, ``Add``), never ``async_add``.
 _WORKED_TOOL_CALL: list[dict[str, Any]] = [
     {"role": "user", "content": "What is 23 * 41? Use the tools."},
     {
@@ -145,6 +146,16 @@ _WORKED_TOOL_CALL: list[dict[str, Any]] = [
     },
     {"role": "tool", "name": "multiply", "content": "943"},
     {"role": "assistant", "content": "The answer is 943."},
+    {"role": "user", "content": "What is 58 + 67? Use the tools."},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "async_add", "arguments": {"a": 58, "b": 67}}}
+        ],
+    },
+    {"role": "tool", "name": "async_add", "content": "125"},
+    {"role": "assistant", "content": "The answer is 125."},
 ]
 
 

@@ -2,8 +2,9 @@
 # TRL's tools example: the calculator as an environment class given as `environment_factory`, one
 # instance per rollout. `reset(**row)` reads the row's `answer` column; the public methods `multiply`
 # and `async_add` (the tools example's functions, one of them async) are the policy's tools; `get_reward`
-# scores what the environment saw (a tool result equal to the answer), beside a reward function on the
-# last turn. Offline: the model (whose chat template renders tools) comes from _offline.
+# scores what the environment saw (a tool result equal to the answer; a little for any call that ran),
+# beside a reward function on the last turn. Offline: the model (whose chat template renders tools)
+# comes from _offline.
 import re
 
 from _offline import TOOL_MODEL, load_dataset, output_dir, size
@@ -45,8 +46,11 @@ class CalculatorEnv:
         return a + b
 
     def get_reward(self) -> float:
-        """1 when a tool computed the answer during the episode."""
-        return float(any(str(result) == self.answer for result in self.results))
+        """1 when a tool computed the answer during the episode, 0.1 when a tool ran on other numbers (a
+        call with a real tool name and well-formed arguments: a signal before the first right call)."""
+        if any(str(result) == self.answer for result in self.results):
+            return 1.0
+        return 0.1 if self.results else 0.0
 
 
 def correctness_reward(completions, answer, **kwargs):
