@@ -51,6 +51,7 @@ KEEP = (
     "timing/weight_sync",
     "timing/update",
     "objective/scores",
+    "val/response_length",
     "rollout/staleness",
     "sampling/importance_sampling_ratio/mean",
     "sampling/sampling_logp_difference/max",

@@ -269,6 +269,35 @@ def peft_wrap(model: nn.Module, peft_config: Any) -> nn.Module:
 # ---- overrides --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def saving_where_trainer_saves(args: Any, *models: Any) -> Iterator[None]:
+    """Inside, ``save_pretrained`` of ``models`` (and of the models they wrap) writes on every process
+    where ``args.should_save``.
+
+    transformers' ``save_pretrained`` writes only on the process of ``torch.distributed`` rank 0
+    (``should_save_on_this_rank``), whatever its ``is_main_process`` says, so with ``save_on_each_node``
+    the first process of every other node wrote a checkpoint without the model's weights and config
+    (found by tests/test_two_machines.py: node-local disks could not resume). Where ``should_save`` says
+    this process saves, the rank check is set aside for the call."""
+    if not getattr(args, "should_save", False):
+        yield
+        return
+    targets: list[Any] = []
+    for model in models:
+        while model is not None and model not in targets:
+            if hasattr(model, "should_save_on_this_rank"):
+                targets.append(model)
+            inner = getattr(model, "get_base_model", None)
+            model = inner() if callable(inner) else getattr(model, "module", None)
+    for model in targets:
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        for model in targets:
+            model.__dict__.pop("should_save_on_this_rank", None)
+
+
 class TrainerHooksMixin:
     """Mix into a ``transformers.Trainer`` subclass (before ``Trainer``): ``Trainer``'s private hooks
     forward to the public methods below, which subclasses override instead of the private names.
@@ -307,8 +336,10 @@ class TrainerHooksMixin:
     def write_model(self, output_dir: str, state_dict: dict[str, Any] | None = None) -> None:
         """Write the model (and tokenizer, training arguments) into ``output_dir``; ``state_dict`` is
         the full state to save when the caller gathered it (DeepSpeed, FSDP). Called by
-        ``save_model`` and by every checkpoint. Default: ``Trainer``'s."""
-        super()._save(output_dir, state_dict)  # type: ignore[misc]
+        ``save_model`` and by every checkpoint. Default: ``Trainer``'s, with ``save_on_each_node`` honoured
+        (:func:`saving_where_trainer_saves`)."""
+        with saving_where_trainer_saves(self.args, self.model):  # type: ignore[attr-defined]
+            super()._save(output_dir, state_dict)  # type: ignore[misc]
 
     def load_weights_from_checkpoint(self, checkpoint: str, model: nn.Module | None = None) -> None:
         """Load the weights that :meth:`write_model` saved in ``checkpoint`` into ``model`` (default:

@@ -588,6 +588,9 @@ def onpolicy_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--save_model", action="store_true", help="trainer.save_model(<output_dir>/final)")
     parser.add_argument("--resume_from_checkpoint", default=None, help="train(resume_from_checkpoint=...)")
     parser.add_argument(
+        "--save_on_each_node", action="store_true", help="TrainingArguments.save_on_each_node"
+    )
+    parser.add_argument(
         "--no_gather_for_generation", action="store_true", help="ds3_gather_for_generation=False"
     )
     parser.add_argument(
@@ -634,6 +637,7 @@ def onpolicy_config_kwargs(cli: argparse.Namespace) -> dict[str, Any]:
         "eval_strategy": "no",
         "save_strategy": "steps" if cli.save_steps else "no",
         "save_steps": cli.save_steps or 500,
+        "save_on_each_node": cli.save_on_each_node,
         "report_to": "none",
         "disable_tqdm": True,
         "num_sample_generations": 0,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import saving_where_trainer_saves
 from ..models import _is_peft_model
 from ..reliability import check_resume_process_count
 
@@ -33,14 +34,15 @@ def write_model(trainer: Any, output_dir: str, state_dict: dict[str, torch.Tenso
     if state_dict is None:
         state_dict = unwrapped.state_dict()
     policy_sd = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
-    unwrapped.policy.save_pretrained(output_dir, state_dict=policy_sd or None)
-    if unwrapped.value_model is not None:
-        value_sd = {
-            k[len("value_model.") :]: v for k, v in state_dict.items() if k.startswith("value_model.")
-        }
-        unwrapped.value_model.save_pretrained(
-            os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=value_sd or None
-        )
+    with saving_where_trainer_saves(trainer.args, unwrapped.policy, unwrapped.value_model):
+        unwrapped.policy.save_pretrained(output_dir, state_dict=policy_sd or None)
+        if unwrapped.value_model is not None:
+            value_sd = {
+                k[len("value_model.") :]: v for k, v in state_dict.items() if k.startswith("value_model.")
+            }
+            unwrapped.value_model.save_pretrained(
+                os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=value_sd or None
+            )
     if trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(output_dir)
     torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
