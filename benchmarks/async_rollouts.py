@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -242,6 +241,8 @@ def main() -> None:
         result = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(render(result))
         return
+    from vs_trl import machine_name
+
     from rlhf_trainers.testing.vllm_env import vllm_env_variables, vllm_python
 
     python = str(vllm_python())
@@ -249,7 +250,7 @@ def main() -> None:
     out = args.out / f"async_rollouts{args.tag}.json"
     settings = {"completions": args.completions, "k": args.k, "response_length": args.response_length}
     result: dict[str, Any] = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine_name(),
         "date": time.strftime("%Y-%m-%d"),
         "idle": args.idle,
         "updates": args.updates,

@@ -46,7 +46,6 @@ def test_server_urls_from_the_base_url_or_host_and_port():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"vllm_mode": "remote"}, r"vllm_mode='remote': expected 'colocate' .* or 'server'"),
         (
             {"vllm_server_base_url": "localhost:8000"},
             r"vllm_server_base_url='localhost:8000': expected one URL",

@@ -90,7 +90,7 @@ def test_use_vllm_without_vllm_says_how_to_install_it_at_construction(kit, tmp_p
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("vllm_mode", "server", "only 'colocate'"),
+        ("vllm_mode", "remote", r"vllm_mode='remote': expected 'colocate' .* or 'server'"),
         (
             "vllm_gpu_memory_utilization",
             0.0,

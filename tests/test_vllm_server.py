@@ -361,3 +361,44 @@ def test_async_rollouts_resume_exactly_with_the_responses_in_flight(kit, tmp_pat
             "rollout/staleness",
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (step, key, a[key], b[key])
+
+
+# ---- several servers ------------------------------------------------------------------------------
+
+
+def _finished_requests(url: str) -> float:
+    """The requests a server finished (its Prometheus counter ``vllm:request_success_total``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total")
+    )
+
+
+def test_two_servers_share_the_rows_and_both_get_every_sync(kit, tmp_path, server):
+    """vllm_server_base_url with two URLs: each rollout's rows are split between the servers, every
+    update's weights reach both (same version, both score like the policy's forward)."""
+    process, other = start_server(str(kit.model_path(POLICY)), tmp_path / "second.log")
+    try:
+        before = [_finished_requests(url) for url in (server, other)]
+        trainer = _server_trainer(kit, tmp_path, f"{server},{other}", learning_rate=3e-2, max_steps=2)
+        trainer.train()
+        served = [
+            a - b for a, b in zip([_finished_requests(u) for u in (server, other)], before, strict=True)
+        ]
+        assert served[0] == served[1] and sum(served) == 2 * trainer.batch_size, (
+            served
+        )  # half of each rollout
+        assert VLLMServerClient(server).weight_version() == VLLMServerClient(other).weight_version() == "2"
+        prompt, completion = _fixed_completion(kit)
+        forward = _forward_logprobs(trainer, prompt, completion)
+        backend = trainer.generation_backend
+        for index in (0, 1):  # the last update's weights, synced to both
+            scored = backend.completion_logprobs([prompt], [completion], server=index)[0]
+            torch.testing.assert_close(scored, forward, atol=1e-4, rtol=0)
+    finally:
+        stop_server(process)

@@ -385,13 +385,13 @@ class VLLMServer:
         return Samples(tokens.to(device), logprobs.to(device) if logprobs is not None else None, None)
 
     def completion_logprobs(
-        self, prompts: list[list[int]], completions: list[list[int]]
+        self, prompts: list[list[int]], completions: list[list[int]], server: int = 0
     ) -> list[torch.Tensor]:
-        """The first server's log-probs of given ``completions`` after ``prompts`` under ``softmax(logits)``
-        (temperature 1), one float32 tensor per row; the weights are synced first if they changed. For
-        checking the server against the trainer's forward pass."""
+        """Server number ``server``'s log-probs of given ``completions`` after ``prompts`` under
+        ``softmax(logits)`` (temperature 1), one float32 tensor per row; the weights are synced first if they
+        changed. For checking a server against the trainer's forward pass."""
         self.sync_if_stale()
-        client = self.clients[0]
+        client = self.clients[server]
         result = []
         for prompt, completion in zip(prompts, completions, strict=True):
             body = {
