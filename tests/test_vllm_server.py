@@ -322,7 +322,7 @@ def test_async_rollouts_with_a_colocated_engine_sample_what_a_server_samples(kit
     on_server = _server_trainer(kit, tmp_path / "server", server, **settings)
     on_server.train()
     colocated = _trainer(kit, tmp_path / "colocated", RLOOTrainer, **settings)
-    assert not colocated.rollouts_ahead.overlaps
+    assert not colocated.producer.ahead.overlaps
     colocated.train()
     assert _staleness(colocated) == _staleness(on_server) == [0.0, 1.0, 1.0]
     for a, b in zip(on_server.state.log_history, colocated.state.log_history, strict=False):

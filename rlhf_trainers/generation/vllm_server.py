@@ -103,10 +103,7 @@ class VLLMServer:
         self.last_sync_seconds = 0.0
         self.sync_seconds = 0.0
         self.syncs = 0
-        self.last_prompt_tokens = 0
-        self.last_cached_tokens = 0
         self._synced_version: Hashable = object()
-        self._partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vllm-server")
         started = time.perf_counter()
         for client in self.clients:
@@ -380,7 +377,6 @@ class VLLMServer:
             if logprobs is not None and values is not None:
                 values = values[: len(ids)]
                 logprobs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        self.last_prompt_tokens = sum(len(r) for r in rows)
         device = query_ids.device
         return Samples(tokens.to(device), logprobs.to(device) if logprobs is not None else None, None)
 

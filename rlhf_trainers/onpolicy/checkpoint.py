@@ -16,6 +16,7 @@ from torch import nn
 from ..compat import saving_where_trainer_saves
 from ..models import _is_peft_model
 from ..reliability import check_resume_process_count
+from .rollouts_ahead import rollouts_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def write_extra_checkpoint_state(trainer: Any, folder: str) -> None:
     interruption, hands them to the resumed run's next entry, which then averages the same updates as
     an uninterrupted run's), and the non-finite step counts (``train/nonfinite_steps_skipped`` and
     the consecutive ones that ``max_nonfinite_steps`` limits)."""
-    ahead = trainer.rollouts_ahead
+    ahead = rollouts_ahead(trainer)
     if ahead is not None:  # every process: its responses in flight
         ahead.save(folder)
     if trainer.args.should_save:
@@ -97,8 +98,9 @@ def check_resume(trainer: Any, checkpoint: str) -> None:
 
 
 def load_onpolicy_state(trainer: Any, checkpoint: str) -> None:
-    if trainer.rollouts_ahead is not None:
-        trainer.rollouts_ahead.load(checkpoint)
+    ahead = rollouts_ahead(trainer)
+    if ahead is not None:
+        ahead.load(checkpoint)
     path = os.path.join(checkpoint, ONPOLICY_STATE_FILE)
     if not os.path.isfile(path):
         logger.warning(

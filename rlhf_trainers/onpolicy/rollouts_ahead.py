@@ -31,10 +31,15 @@ import torch
 
 from ..generation import Samples
 
-__all__ = ["AHEAD_FILE", "RolloutsAhead"]
+__all__ = ["AHEAD_FILE", "RolloutsAhead", "rollouts_ahead"]
 
 #: The checkpoint file of a process's responses in flight (``{process}`` is its index).
 AHEAD_FILE = "rollout_ahead-{process}.pt"
+
+
+def rollouts_ahead(engine: Any) -> RolloutsAhead | None:
+    """The on-policy trainer ``engine``'s generation one update ahead (``async_rollouts``), else None."""
+    return getattr(getattr(engine, "producer", None), "ahead", None)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from .. import compat
 from ..cpu import decoding_speedups, keep_prepared_weights
 from ..distributed import generation_context
 from ..generation import GenerationError, Samples, SamplingSettings, check_samples, make_generation_backend
+from .rollouts_ahead import rollouts_ahead
 
 
 class PolicySampler:
@@ -135,7 +136,7 @@ class PolicySampler:
         it), ``stop_ids`` (the stop tokens and the end of an assistant turn; None: :attr:`stop_ids`) and
         ``row_max_new_tokens`` (each row's own limit, :attr:`SamplingSettings.row_max_new_tokens`; the
         caller cuts each row there)."""
-        ahead = getattr(self.engine, "rollouts_ahead", None)
+        ahead = rollouts_ahead(self.engine)
         if ahead is not None:
             ahead.settle()  # the servers' weights may change now: nothing of theirs may be in flight
         settings = self.settings(

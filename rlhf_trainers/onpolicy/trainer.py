@@ -60,7 +60,6 @@ from .optimize import OptimizationLoop
 from .passes import ModelPasses
 from .producer import ProducerHooks, RolloutProducer
 from .rollout import Advantages, LossNormalization, Rollout
-from .rollouts_ahead import RolloutsAhead
 from .sampling import PolicySampler
 from .setup import (
     batch_plan,
@@ -471,11 +470,6 @@ class OnPolicyTrainer(TrainerHooksMixin, ProducerHooks, Trainer):
         return self.sampler.backend
 
     @property
-    def rollouts_ahead(self) -> RolloutsAhead | None:
-        """With ``async_rollouts``: the generation one update ahead, else None."""
-        return getattr(getattr(self, "producer", None), "ahead", None)
-
-    @property
     def weight_sync_seconds(self) -> float:
         """Seconds of the generation backend's last weight sync (vLLM), 0 where it has none."""
         return float(getattr(self.generation_backend, "last_sync_seconds", 0.0))
@@ -675,8 +669,6 @@ class OnPolicyTrainer(TrainerHooksMixin, ProducerHooks, Trainer):
             last_metrics = self._training_step(model, sample_every)
             if "loss/policy_avg" in last_metrics:
                 policy_losses.append(last_metrics["loss/policy_avg"])
-        if self.rollouts_ahead is not None:
-            self.rollouts_ahead.settle()  # nothing left in flight (a later train() call takes it)
         # training_loss, as Trainer reports it: the mean policy loss over the updates of this call.
         training_loss = sum(policy_losses) / len(policy_losses) if policy_losses else 0.0
         summary = self._train_summary(start_time, self.state.global_step - first_step, training_loss)
