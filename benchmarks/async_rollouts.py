@@ -87,6 +87,7 @@ def worker(trainer_name: str, mode: str, seed: int, updates: int, args: dict[str
     }
     if mode != "colocated":
         common["vllm_server_base_url"] = args["url"]
+    common.update(args.get("overrides") or {})  # --overrides: config fields of every run
     if trainer_name == "rloo":
         config = RLOOConfig(
             rloo_k=k,
@@ -229,6 +230,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8437)
     parser.add_argument("--idle", default="unknown")
     parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--overrides", default="{}", help="config fields for every run, as JSON: '{\"learning_rate\": 3e-4}'"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--render", help="rewrite the .md of this result JSON and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -248,7 +252,12 @@ def main() -> None:
     python = str(vllm_python())
     env = vllm_env_variables(ROOT)
     out = args.out / f"async_rollouts{args.tag}.json"
-    settings = {"completions": args.completions, "k": args.k, "response_length": args.response_length}
+    settings = {
+        "completions": args.completions,
+        "k": args.k,
+        "response_length": args.response_length,
+        "overrides": json.loads(args.overrides),
+    }
     result: dict[str, Any] = {
         "machine": machine_name(),
         "date": time.strftime("%Y-%m-%d"),
