@@ -22,7 +22,7 @@ for the update they belong to), so a resumed run trains on exactly what the inte
 from __future__ import annotations
 
 import os
-import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +74,6 @@ class RolloutsAhead:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts-ahead") if self.overlaps else None
         )
         self._launched: _Launched | None = None
-        self._main = threading.get_ident()
 
     # ---- the producer's side --------------------------------------------------------------------
 
@@ -104,8 +103,6 @@ class RolloutsAhead:
 
     def _launch(self, update: int, copies: int, with_logprobs: bool, timings: dict[str, float]) -> None:
         """Start generating update ``update``'s responses with the policy's weights as they are now."""
-        import time
-
         began = time.perf_counter()
         query, query_mask = self.producer.queries(self.producer.prompt_batch(update), copies)
         seed = int(torch.randint(0, 2**31 - 1, ()).item())  # here, not on the background thread
@@ -125,8 +122,6 @@ class RolloutsAhead:
         timings["timing/generate"] += time.perf_counter() - began
 
     def _wait(self, launched: _Launched, timings: dict[str, float]) -> Samples:
-        import time
-
         result = launched.result
         if isinstance(result, Future):
             began = time.perf_counter()
@@ -149,9 +144,6 @@ class RolloutsAhead:
                 launched.result = launched.result.result()
             except Exception:
                 self._launched = None  # its update generates anew (and fails there, if it must)
-
-    def on_main_thread(self) -> bool:
-        return threading.get_ident() == self._main
 
     def save(self, folder: str) -> None:
         """Write the responses in flight (waited for) into the checkpoint ``folder``."""
