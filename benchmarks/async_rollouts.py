@@ -1,5 +1,5 @@
 """Asynchronous rollouts against synchronous ones, generation on a vLLM server (issue #51): the seconds per
-update, and the reward curve over updates, for RLOO and GRPO on SmolLM2-135M-Instruct.
+update, and the reward curve over updates, for RLOO, GRPO and PPO on SmolLM2-135M-Instruct.
 
 The server (``rlhf-trainers vllm-serve``, float32, the checkpoint of
 ``rlhf_trainers.testing.smollm2.smollm2_folder()``) is pinned to one core and the trainer to the other
@@ -14,8 +14,11 @@ Everything runs in the vLLM environment (``rlhf_trainers.testing.vllm_env``).
 
 Per update the worker records ``timing/step`` (the update's wall time), ``timing/generate`` (generation,
 the weight sync included; async: the launch plus what the update waited for), ``timing/generate_wait``,
-``timing/weight_sync``, ``timing/update`` and the mean reward ``objective/scores``. The summary per run
-is the median over the updates after the first (warm-up). The bound of the issue: async seconds per update
+``timing/weight_sync``, ``timing/update`` and the mean reward ``objective/scores``; after training, the
+mean reward of the trained policy on ``--eval-prompts`` held-out prompts (an asynchronous run's last
+rollouts were sampled one update behind, so its training curve lags a synchronous run's by an update;
+the held-out reward compares the policies the runs end with). The summary per run is the median over the
+updates after the first (warm-up). The bound of the issue: async seconds per update
 <= 1.15 x max(generation, training) of the synchronous run of the same seed, where generation is the sync
 run's median ``timing/generate`` and training its median ``timing/step - timing/generate``.
 
@@ -42,7 +45,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 MODES = ("sync", "async", "colocated")
-TRAINERS = ("rloo", "grpo")
+TRAINERS = ("rloo", "grpo", "ppo")
 KEEP = (
     "timing/step",
     "timing/generate",
@@ -53,6 +56,7 @@ KEEP = (
     "val/response_length",
     "rollout/staleness",
     "sampling/importance_sampling_ratio/mean",
+    "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
 )
 
@@ -62,7 +66,7 @@ def worker(trainer_name: str, mode: str, seed: int, updates: int, args: dict[str
     import torch
     from peft import LoraConfig
 
-    from rlhf_trainers import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from rlhf_trainers import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
     from rlhf_trainers.rewards.rlvr import reward_function, task_dataset
     from rlhf_trainers.testing.smollm2 import load_smollm2_tokenizer, smollm2_folder
 
@@ -88,18 +92,21 @@ def worker(trainer_name: str, mode: str, seed: int, updates: int, args: dict[str
     if mode != "colocated":
         common["vllm_server_base_url"] = args["url"]
     common.update(args.get("overrides") or {})  # --overrides: config fields of every run
-    if trainer_name == "rloo":
-        config = RLOOConfig(
-            rloo_k=k,
-            kl_coef=0.03,
-            response_length=args["response_length"],
-            num_mini_batches=1,
-            num_ppo_epochs=1,
-            local_rollout_forward_batch_size=completions,
-            num_sample_generations=0,
-            **common,
-        )
-        trainer_cls: Any = RLOOTrainer
+    if trainer_name in ("rloo", "ppo"):
+        onpolicy: dict[str, Any] = {
+            "kl_coef": 0.03,
+            "response_length": args["response_length"],
+            "num_mini_batches": 1,
+            "num_ppo_epochs": 1,
+            "local_rollout_forward_batch_size": completions,
+            "num_sample_generations": 0,
+        }
+        if trainer_name == "rloo":
+            config: Any = RLOOConfig(rloo_k=k, **onpolicy, **common)
+            trainer_cls: Any = RLOOTrainer
+        else:  # PPO: one completion per prompt, a critic built from the policy
+            config = PPOConfig(**onpolicy, **common)
+            trainer_cls = PPOTrainer
     else:
         config = GRPOConfig(
             num_generations=k, beta=0.03, max_completion_length=args["response_length"], **common
@@ -111,18 +118,21 @@ def worker(trainer_name: str, mode: str, seed: int, updates: int, args: dict[str
         args=config,
         reward_funcs=[reward_function("word_count")],
         train_dataset=task_dataset("word_count", "train"),
+        eval_dataset=task_dataset("word_count", "test", n=args.get("eval_prompts", 64)),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
     )
     began = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - began
     rows = [h for h in trainer.state.log_history if "timing/step" in h]
+    final = trainer.evaluate()  # the trained policy on held-out prompts (after training: not in its timing)
     return {
         "trainer": trainer_name,
         "mode": mode,
         "seed": seed,
         "generation": trainer.generation_backend.name,
         "wall_s": wall,
+        "eval_scores": final.get("eval_objective/scores"),
         "updates": [{key: h[key] for key in KEEP if key in h} for h in rows],
     }
 
@@ -147,6 +157,7 @@ def summarize(run: dict[str, Any]) -> dict[str, float | None]:
         "reward_last3": statistics.mean(
             [u.get("objective/scores", float("nan")) for u in run["updates"][-3:]]
         ),
+        "eval_scores": run.get("eval_scores"),
     }
 
 
@@ -157,8 +168,8 @@ def render(result: dict[str, Any]) -> str:
         f"({result['machine']}, {result['date']}; idle machine: {result['idle']}). Server on core 0, trainer on "
         "core 1, one thread each; medians over updates 2..N.",
         "",
-        "| trainer | seed | mode | s/update | generation s | training s | waited s | sync s | bound 1.15 x max(gen, train) of sync | reward first -> last 3 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| trainer | seed | mode | s/update | generation s | training s | waited s | sync s | bound 1.15 x max(gen, train) of sync | reward first -> last 3 | held-out reward after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     runs = result["runs"]
     for run in runs:
@@ -180,7 +191,8 @@ def render(result: dict[str, Any]) -> str:
         sync_s = "" if s["weight_sync_s"] is None else f"{s['weight_sync_s']:.2f}"
         lines.append(
             f"| {run['trainer']} | {run['seed']} | {run['mode']} | {s['step_s']:.1f} | {s['generate_s']:.1f} | "
-            f"{s['training_s']:.1f} | {wait} | {sync_s} | {bound} | {s['reward_first']:.3f} -> {s['reward_last3']:.3f} |"
+            f"{s['training_s']:.1f} | {wait} | {sync_s} | {bound} | {s['reward_first']:.3f} -> {s['reward_last3']:.3f} | "
+            f"{'' if s.get('eval_scores') is None else format(s['eval_scores'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -227,6 +239,7 @@ def main() -> None:
     parser.add_argument("--completions", type=int, default=32)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=48)
+    parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts scored after training")
     parser.add_argument("--port", type=int, default=8437)
     parser.add_argument("--idle", default="unknown")
     parser.add_argument("--tag", default="")
@@ -256,6 +269,7 @@ def main() -> None:
         "completions": args.completions,
         "k": args.k,
         "response_length": args.response_length,
+        "eval_prompts": args.eval_prompts,
         "overrides": json.loads(args.overrides),
     }
     result: dict[str, Any] = {

@@ -52,6 +52,11 @@ def test_server_urls_from_the_base_url_or_host_and_port():
         ),
         ({"vllm_server_timeout": 0}, r"vllm_server_timeout=0: expected seconds > 0"),
         ({"vllm_group_port": 70000}, r"vllm_group_port=70000: expected a TCP port"),
+        ({"vllm_lora_sync": "delta"}, r"vllm_lora_sync='delta': expected 'merged' .* or 'adapter'"),
+        (
+            {"vllm_lora_sync": "adapter", "vllm_mode": "colocate"},
+            r"vllm_lora_sync='adapter' is for vllm_mode='server'",
+        ),
     ],
 )
 def test_bad_server_settings_are_refused_at_construction(tmp_path, overrides, message):
@@ -107,6 +112,11 @@ def test_vllm_serve_starts_vllms_server_with_what_training_needs(capsys):
     line = capsys.readouterr().out
     assert "--tensor-parallel-size 2" in line and "--gpu-memory-utilization 0.9" in line
     assert "--enforce-eager" not in line and "VLLM_CPU_KVCACHE_SPACE" not in line
+    assert "--enable-lora" not in line
+    cli_main(["vllm-serve", "--model", "/m", "--enable_lora", "--max_lora_rank", "16", "--print_command"])
+    line = capsys.readouterr().out
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in line
+    assert "--enable-lora --max-lora-rank 16 --max-loras 1" in line
 
 
 # ---- the client against a stand-in server ---------------------------------------------------------
@@ -184,3 +194,65 @@ def test_a_server_error_carries_the_servers_message(stand_in):
 def test_async_rollouts_settings_are_checked_at_construction(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(tmp_path, async_rollouts=True, **overrides)
+
+
+# ---- adapter-only sync ----------------------------------------------------------------------------
+
+
+def test_an_adapter_only_sync_refuses_what_vllms_lora_cannot_serve(kit, tmp_path):
+    """vllm_lora_sync='adapter' needs a LoRA adapter whose every trained weight is low-rank, and a server with
+    runtime LoRA of a large enough rank: each is refused with what to change."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_trainers.generation.lora_adapter_sync import AdapterPublisher
+
+    with pytest.raises(ValueError, match=r"the policy has none: pass peft_config="):
+        AdapterPublisher(kit.load_model("llama-sft"), tmp_path, write=True)
+    dora = get_peft_model(
+        kit.load_model("llama-sft"), LoraConfig(r=8, target_modules=["q_proj"], use_dora=True)
+    )
+    with pytest.raises(ValueError, match=r"DoRA \(use_dora=True\), which vLLM's LoRA cannot apply"):
+        AdapterPublisher(dora, tmp_path, write=True)
+    saved = get_peft_model(
+        kit.load_model("llama-sft"), LoraConfig(r=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    )
+    with pytest.raises(ValueError, match=r"modules_to_save"):
+        AdapterPublisher(saved, tmp_path, write=True)
+
+    plain = get_peft_model(kit.load_model("llama-sft"), LoraConfig(r=16, target_modules=["q_proj"]))
+    publisher = AdapterPublisher(plain, tmp_path / "lora", write=True)
+    client = VLLMServerClient("http://127.0.0.1:9")
+    with pytest.raises(
+        ValueError, match=r"has LoRA off; start it with `rlhf-trainers vllm-serve --enable_lora"
+    ):
+        publisher.check_server(client, None)
+    with pytest.raises(ValueError, match=r"rank r=16 exceeds .*--max-lora-rank 8; restart it"):
+        publisher.check_server(client, {"max_lora_rank": 8})
+    publisher.check_server(client, {"max_lora_rank": 64})
+
+
+def test_adapter_versions_are_written_whole_and_only_the_last_is_kept(kit, tmp_path):
+    """Each sync writes the adapter as a PEFT adapter folder of its own (vLLM keys its prefix cache on the
+    path), loadable by PEFT with the trained values; older versions are removed once the newest is loaded;
+    every process names the adapter alike."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from rlhf_trainers.generation.lora_adapter_sync import AdapterPublisher
+
+    model = get_peft_model(kit.load_model("llama-sft"), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    publisher = AdapterPublisher(model, tmp_path / "lora", write=True)
+    assert AdapterPublisher(model, tmp_path / "lora", write=False).lora_name == publisher.lora_name
+    first = publisher.publish()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5)
+    second = publisher.publish()
+    assert (first.name, second.name) == ("v1", "v2") and first.is_dir()
+    publisher.prune()
+    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["v2"]
+    loaded = PeftModel.from_pretrained(kit.load_model("llama-sft"), str(second))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert AdapterPublisher(model, tmp_path / "lora", write=False).publish() is None

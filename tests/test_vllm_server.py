@@ -82,7 +82,8 @@ def stop_server(process: subprocess.Popen) -> None:
 def server(kit, tmp_path_factory):
     """The URL of a vLLM server of the kit's policy checkpoint, for the module."""
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    process, url = start_server(str(kit.model_path(POLICY)), log)
+    # runtime LoRA on: the adapter-only sync's test loads adapters; the others' requests name no adapter
+    process, url = start_server(str(kit.model_path(POLICY)), log, "--enable_lora", "--max_lora_rank", "8")
     yield url
     stop_server(process)
 
@@ -92,6 +93,18 @@ def _fixed_completion(kit) -> tuple[list[int], list[int]]:
     tok = kit.load_tokenizer()
     prompt = tok("the movie was", add_special_tokens=False)["input_ids"]
     return prompt, tok(" really great and warm .", add_special_tokens=False)["input_ids"]
+
+
+def _server_follows_training(kit, trainer) -> None:
+    """Train; the server's log-probs of a fixed completion then equal the policy's forward (fp32, <= 1e-4)
+    and differ from those before training."""
+    prompt, completion = _fixed_completion(kit)
+    backend = trainer.generation_backend
+    before = backend.completion_logprobs([prompt], [completion])[0]
+    trainer.train()
+    after = backend.completion_logprobs([prompt], [completion])[0]
+    torch.testing.assert_close(after, _forward_logprobs(trainer, prompt, completion), atol=1e-4, rtol=0)
+    assert (after - before).abs().max() > 1e-2
 
 
 def _update_entry(trainer, step):
@@ -156,17 +169,43 @@ def test_a_lora_adapter_reaches_the_server_merged(kit, tmp_path, server):
     trainer = _server_trainer(
         kit, tmp_path, server, PPOTrainer, peft_config=peft_config, learning_rate=3e-2, max_steps=2
     )
-    prompt, completion = _fixed_completion(kit)
-    backend = trainer.generation_backend
-    before = backend.completion_logprobs([prompt], [completion])[0]
-    trainer.train()
-    after = backend.completion_logprobs([prompt], [completion])[0]
-    torch.testing.assert_close(after, _forward_logprobs(trainer, prompt, completion), atol=1e-4, rtol=0)
-    assert (after - before).abs().max() > 1e-2
+    _server_follows_training(kit, trainer)
 
     tied = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
     with pytest.raises(ValueError, match=r"adapter on the tied input embedding or lm head"):
         _server_trainer(kit, tmp_path / "tied", server, PPOTrainer, peft_config=tied)
+
+
+def test_an_adapter_only_sync_reaches_the_server_as_a_vllm_lora_adapter(kit, tmp_path, server):
+    """vllm_lora_sync='adapter': only the LoRA adapter travels, written to vllm_lora_dir and loaded by the server
+    as a vLLM LoRA adapter that the completions name: after updates that moved it, the server samples and
+    scores like the PEFT policy's forward (fp32, <= 1e-4), its base weights were sent once, at the first
+    sync (the module's server holds other tests' trained weights: without it the scores were off by 2
+    nats), and only the newest adapter folder is left."""
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM"
+    )
+    trainer = _server_trainer(
+        kit,
+        tmp_path,
+        server,
+        PPOTrainer,
+        peft_config=peft_config,
+        learning_rate=3e-2,
+        max_steps=2,
+        vllm_lora_sync="adapter",
+    )
+    _server_follows_training(kit, trainer)
+    logged = [
+        h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history if "objective/kl" in h
+    ]
+    assert len(logged) == 2 and max(logged) <= 1e-4  # each update sampled from the adapter being trained
+    backend = trainer.generation_backend
+    assert backend.syncs == 3 and VLLMServerClient(server).weight_version() == "1"  # the base, once
+    folder = Path(trainer.args.output_dir) / "vllm-lora"
+    assert sorted(p.name for p in folder.iterdir()) == ["v3"]
 
 
 # ---- resume ---------------------------------------------------------------------------------------
@@ -402,3 +441,33 @@ def test_two_servers_share_the_rows_and_both_get_every_sync(kit, tmp_path, serve
             torch.testing.assert_close(scored, forward, atol=1e-4, rtol=0)
     finally:
         stop_server(process)
+
+
+# ---- several machines -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_machines_sample_from_one_server_that_the_first_syncs(kit, tmp_path, server):
+    """A run started as two machines (``accelerate launch --num_machines 2``, one process each, DDP), both
+    generating on one server, as docs/distributed.md's multi-node recipe runs: the first machine syncs the
+    server before each generation and the second waits for it, so every rollout of both was sampled from the
+    weights being trained (fp32 mismatch <= 1e-4 on each), both end with the same weights, and the server
+    holds the last sync's weights."""
+    from distributed import read_rank_results
+    from machines import launch_machines
+
+    out = tmp_path / "run"  # a shared filesystem: each machine writes its rank's result there
+    updates = 3
+    args = ["--output_dir", str(out), "--max_steps", str(updates), "--num_eval_prompts", "16"]
+    launch_machines("vllm_distributed.py", [[*args, "--vllm_server_base_url", server]] * 2)
+    rank0, rank1 = read_rank_results(out)
+    assert rank0["world_size"] == 2 and rank0["global_step"] == updates
+    assert rank0["generation"].startswith("vllm server") and rank1["generation"] == rank0["generation"]
+    assert rank0["policy_digest"] == rank1["policy_digest"] != rank0["policy_before"]
+    for result in (rank0, rank1):
+        assert len(result["logp_diff_max"]) == updates and max(result["logp_diff_max"]) <= 1e-4
+    # a sync before the first evaluation, each update after the first, and the last evaluation; DDP's start
+    # (parameters broadcast in place) may add one
+    assert rank0["syncs"] == rank1["syncs"] and updates + 1 <= rank0["syncs"] <= updates + 2
+    assert VLLMServerClient(server).weight_version() == str(rank0["syncs"])

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,6 +19,7 @@ __all__ = [
     "GenerationError",
     "Samples",
     "SamplingSettings",
+    "WeightSyncs",
     "check_samples",
     "filtered_scores",
     "on_any_process",
@@ -269,3 +271,37 @@ def entered(contexts: Sequence[ContextFactory | None]) -> Iterator[None]:
             if make is not None:
                 stack.enter_context(make())
         yield
+
+
+class WeightSyncs:
+    """The sync bookkeeping of a backend whose engine holds its own copy of the policy's weights (the vLLM
+    engines): how many syncs, their seconds, and whether the policy changed since the last one.
+
+    Args:
+        weights_version: returns a value that changes whenever the policy's weights may have changed.
+    """
+
+    def __init__(self, weights_version: Callable[[], Hashable]) -> None:
+        self.weights_version = weights_version
+        self.last_sync_seconds = 0.0
+        self.sync_seconds = 0.0
+        self.syncs = 0
+        self._synced_version: Hashable = object()
+
+    def is_stale(self) -> bool:
+        """Whether the policy's weights may have changed since the last sync."""
+        return self.weights_version() != self._synced_version
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """Around one sync: until it completes the engine holds a mix of old and new weights, so it matches
+        no version (a sync that fails half way is redone in full before the next generation); on success
+        the version read at the start is the synced one, and the seconds are counted."""
+        started = time.perf_counter()
+        version = self.weights_version()
+        self._synced_version = object()
+        yield
+        self._synced_version = version
+        self.last_sync_seconds = time.perf_counter() - started
+        self.sync_seconds += self.last_sync_seconds
+        self.syncs += 1

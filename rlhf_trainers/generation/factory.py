@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -120,6 +121,8 @@ def _vllm_server_backend(
         process_index=process_index,
         num_processes=num_processes,
         longest_sequence=longest_sequence,
+        lora_sync=config.vllm_lora_sync,
+        lora_dir=config.vllm_lora_dir or os.path.join(config.output_dir, "vllm-lora"),
     )
 
 

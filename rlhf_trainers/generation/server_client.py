@@ -58,7 +58,8 @@ class VLLMServerClient:
         query: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> Any:
-        """``method`` ``route`` with a JSON ``body``; the JSON answer (None when empty).
+        """``method`` ``route`` with a JSON ``body``; the JSON answer (its text where it is not JSON, None when
+        empty).
 
         Raises:
             ServerError: the server did not answer within the timeout, refused the connection, or answered
@@ -83,7 +84,12 @@ class VLLMServerClient:
             raise ServerError(
                 f"the vLLM server at {self.base_url} did not answer {method} {route}: {reason}"
             ) from err
-        return json.loads(text) if text.strip() else None
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:  # some routes answer in plain text (/v1/load_lora_adapter)
+            return text.decode(errors="replace")
 
     def is_up(self) -> bool:
         """Whether ``/health`` answers 200 now."""
@@ -114,8 +120,10 @@ class VLLMServerClient:
     def describe(self) -> dict[str, Any]:
         """The served model (``/v1/models``) and the engine's settings (``/server_info``); sets
         :attr:`model_id` and :attr:`max_model_len`. Keys: ``model_id``, ``root``, ``max_model_len``,
-        ``dtype``, ``logprobs_mode``, ``weight_transfer_backend``."""
-        models = self.request("GET", "/v1/models")["data"]
+        ``dtype``, ``logprobs_mode``, ``weight_transfer_backend``, ``lora`` (vLLM's LoRA settings, None when
+        its LoRA is off)."""
+        # LoRA adapters loaded at run time are listed too, with the base model as their parent
+        models = [m for m in self.request("GET", "/v1/models")["data"] if not m.get("parent")]
         if len(models) != 1:
             raise ServerError(
                 f"the vLLM server at {self.base_url} serves {len(models)} models; expected one."
@@ -133,6 +141,7 @@ class VLLMServerClient:
         config = info.get("vllm_config", {})
         model_config = config.get("model_config", {}) if isinstance(config, dict) else {}
         transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
+        lora = config.get("lora_config") if isinstance(config, dict) else None
         return {
             "model_id": self.model_id,
             "root": model.get("root"),
@@ -142,6 +151,7 @@ class VLLMServerClient:
             "weight_transfer_backend": (transfer or {}).get("backend")
             if isinstance(transfer, dict)
             else None,
+            "lora": lora if isinstance(lora, dict) else None,
         }
 
     def world_size(self) -> int:

@@ -35,7 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import GenerationError, Samples, SamplingSettings, on_any_process, request_seeds
+from .base import (
+    GenerationError,
+    Samples,
+    SamplingSettings,
+    WeightSyncs,
+    on_any_process,
+    request_seeds,
+)
 from .weight_transfer import repack_tied_lm_head
 from .weights import inference_weights, untied_by_adapters
 
@@ -186,7 +193,7 @@ def _reload_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) 
     repack_tied_lm_head(worker.get_model())
 
 
-class VLLMColocated:
+class VLLMColocated(WeightSyncs):
     """A :class:`~rlhf_trainers.generation.GenerationBackend` that samples with an in-process vLLM engine.
 
     Args:
@@ -219,8 +226,8 @@ class VLLMColocated:
         enable_sleep_mode: bool = False,
     ) -> None:
         vllm = import_vllm()
+        WeightSyncs.__init__(self, weights_version)  # syncs, their seconds, the synced version
         self.model = model
-        self.weights_version = weights_version
         self.max_model_len = max_model_len
         self.device = next(model.parameters()).device
         on_gpu = self.device.type == "cuda"
@@ -230,14 +237,9 @@ class VLLMColocated:
             if dtype == "auto"
             else _DTYPES[dtype]
         )
-        #: Seconds of the last weight sync, and of all syncs so far.
-        self.last_sync_seconds = 0.0
-        self.sync_seconds = 0.0
-        self.syncs = 0
         #: The prompt tokens of the last ``sample`` call, and how many of them vLLM's prefix cache held.
         self.last_prompt_tokens = 0
         self.last_cached_tokens = 0
-        self._synced_version: Hashable = object()
         self._partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # DeepSpeed ZeRO-3
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="rlhf-vllm-") as folder:
@@ -353,27 +355,14 @@ class VLLMColocated:
         :func:`inference_weights`, so each merged LoRA weight exists only while vLLM copies it in, never all
         of them at once (a list of them was a second copy of every adapted matrix: 0.42 GB for SmolLM2-135M
         with LoRA on every linear layer, in float32)."""
-        started = time.perf_counter()
-        version = self.weights_version()
         weights = (
             (name, tensor.to(dtype=self.dtype) if tensor.is_floating_point() else tensor)
             for name, tensor in inference_weights(self.model)
         )
-        # Until the stream is complete the engine holds a mix of old and new weights: marked as matching no
-        # version, so a sync that fails half-way is redone in full before the next generation.
-        self._synced_version = object()
-        with _process_state_kept():
+        with self.syncing(), _process_state_kept():
             self.llm.collective_rpc(_reload_in_worker, args=(weights,))
             self.llm.reset_prefix_cache()  # its keys and values came from the old weights
-        self._synced_version = version
-        self.last_sync_seconds = time.perf_counter() - started
-        self.sync_seconds += self.last_sync_seconds
-        self.syncs += 1
         return self.last_sync_seconds
-
-    def is_stale(self) -> bool:
-        """Whether the policy's weights may have changed since the last sync."""
-        return self.weights_version() != self._synced_version
 
     def _sync_if_stale(self) -> None:
         """Sync when this process's weights changed; with ZeRO-3 partitioned weights (gathered module by

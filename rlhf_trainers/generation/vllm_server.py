@@ -12,7 +12,9 @@ weight-transfer API (:mod:`rlhf_trainers.generation.weight_transfer`: the gloo e
 LoRA adapters merged, ZeRO-3 gathered module by module): each server is paused (no request runs while its
 weights change), updated, and resumed. A sync that fails half way leaves that server paused, so it never
 serves a mix of old and new weights; it is retried in full once, then the run stops with an error that
-names the server. In a multi-process run the first process syncs and the others wait for it.
+names the server. In a multi-process run the first process syncs and the others wait for it. With
+``vllm_lora_sync="adapter"`` only the LoRA adapter travels, as a vLLM LoRA adapter the servers load from a
+shared folder (:mod:`rlhf_trainers.generation.lora_adapter_sync`).
 
 Checked when the backend is built: every server answers within ``vllm_server_timeout``, serves a model of
 the policy's architecture and sizes (else refused before any weight is sent), with vLLM's processed
@@ -21,6 +23,7 @@ log-probs and the gloo weight-transfer engine, and holds the longest prompt + re
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -31,7 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import GenerationError, Samples, SamplingSettings, on_any_process, request_seeds
+from .base import (
+    GenerationError,
+    Samples,
+    SamplingSettings,
+    WeightSyncs,
+    on_any_process,
+    request_seeds,
+)
+from .lora_adapter_sync import AdapterPublisher
 from .server_client import START_A_SERVER, ServerError, VLLMServerClient, address_towards
 from .weight_transfer import BACKEND, GlooSender, model_signature, port_or_free
 from .weights import inference_weights, untied_by_adapters
@@ -56,7 +67,7 @@ def server_urls(base_url: str | Sequence[str] | None, host: str, port: int) -> l
     return urls
 
 
-class VLLMServer:
+class VLLMServer(WeightSyncs):
     """A :class:`~rlhf_trainers.generation.GenerationBackend` that samples from vLLM servers.
 
     Args:
@@ -70,6 +81,10 @@ class VLLMServer:
         process_index: this process's rank; the first process (0) syncs the weights.
         num_processes: the training processes (the others wait at a barrier while the first syncs).
         longest_sequence: the longest prompt + response the servers must hold.
+        lora_sync: ``"merged"``: the LoRA adapter (if any) merged into every weight sent; ``"adapter"``: only
+            the adapter, written to ``lora_dir`` and loaded by each server as a vLLM LoRA adapter
+            (:mod:`~rlhf_trainers.generation.lora_adapter_sync`).
+        lora_dir: with ``lora_sync="adapter"``: a folder the servers can read (a shared filesystem).
     """
 
     logprobs_for_rollout = False
@@ -88,6 +103,8 @@ class VLLMServer:
         process_index: int = 0,
         num_processes: int = 1,
         longest_sequence: int | None = None,
+        lora_sync: str = "merged",
+        lora_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if untied_by_adapters(model):
             raise ValueError(
@@ -96,14 +113,18 @@ class VLLMServer:
                 "lm head out of target_modules, or use vllm_mode='colocate'."
             )
         self.model = model
-        self.weights_version = weights_version
+        self.adapter: AdapterPublisher | None = None
+        if lora_sync == "adapter":
+            if lora_dir is None:
+                raise ValueError(
+                    "vllm_lora_sync='adapter' needs vllm_lora_dir (a folder the servers can read)."
+                )
+            self.adapter = AdapterPublisher(model, lora_dir, write=process_index == 0)
+        WeightSyncs.__init__(self, weights_version)  # syncs, their seconds, the synced version
+        self._base_sent = False
         self.process_index = process_index
         self.num_processes = num_processes
         self.clients = [VLLMServerClient(url, timeout_s) for url in urls]
-        self.last_sync_seconds = 0.0
-        self.sync_seconds = 0.0
-        self.syncs = 0
-        self._synced_version: Hashable = object()
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vllm-server")
         started = time.perf_counter()
         for client in self.clients:
@@ -116,6 +137,9 @@ class VLLMServer:
             )
         self.dtype = _DTYPES.get(dtypes.pop(), torch.float32)
         self.senders: list[GlooSender] = []
+        if self.adapter is not None:
+            for client, description in zip(self.clients, self.descriptions, strict=True):
+                self.adapter.check_server(client, description["lora"])
         if process_index == 0:
             # names, dtypes and shapes of what is sent, in order: the same at every sync
             self._manifest = [
@@ -219,22 +243,27 @@ class VLLMServer:
     def sync_weights(self) -> float:
         """Push the policy's current weights to every server (the first process sends; ZeRO-3 gathers on
         all). Returns the seconds taken."""
-        started = time.perf_counter()
-        version = self.weights_version()
-        self._synced_version = object()  # stale until every server has the whole model
+        with self.syncing():  # stale until every server has the whole model
+            if self.adapter is None:
+                self._push_weights()
+            else:
+                if not self._base_sent:  # the servers may hold other base weights (an earlier run's sync)
+                    with self.model.disable_adapter():
+                        self._push_weights()
+                    self._base_sent = True
+                self._push_adapter(self.adapter)
+            if self.num_processes > 1 and torch.distributed.is_initialized():
+                torch.distributed.barrier()  # nobody generates before every server has the new weights
+        return self.last_sync_seconds
+
+    def _push_weights(self) -> None:
+        """Every weight to every server (the first process sends; ZeRO-3 gathers on all)."""
         if self.process_index == 0:
             for client, sender in zip(self.clients, self.senders, strict=True):
                 self._push(client, sender, f"{self.syncs + 1}")
         else:
             for _ in inference_weights(self.model):
                 pass
-        if self.num_processes > 1 and torch.distributed.is_initialized():
-            torch.distributed.barrier()  # nobody generates before every server has the new weights
-        self._synced_version = version
-        self.last_sync_seconds = time.perf_counter() - started
-        self.sync_seconds += self.last_sync_seconds
-        self.syncs += 1
-        return self.last_sync_seconds
 
     def _push(self, client: VLLMServerClient, sender: GlooSender, version: str) -> None:
         """One server: pause, send every weight, finish, resume; retried once in full. A server whose sync
@@ -252,6 +281,25 @@ class VLLMServer:
                         "mix of old and new weights; restart it and resume the run from its last checkpoint."
                     ) from err
         client.resume()
+
+    def _push_adapter(self, adapter: AdapterPublisher) -> None:
+        """Adapter-only: write the adapter's new version (every process joins ZeRO-3's gathers), and have
+        each server load it while paused (no request runs across the change)."""
+        path = adapter.publish()
+        if path is None:
+            return
+        for client in self.clients:
+            client.pause("wait")
+            try:
+                adapter.load(client, path)
+            except Exception as err:  # the previous version stays loaded: resume on it, and stop
+                client.resume()
+                raise GenerationError(
+                    f"vllm_mode='server': the vLLM server at {client.base_url} did not load the LoRA adapter "
+                    f"{path} ({err}). It must read vllm_lora_dir at the same path (a shared filesystem)."
+                ) from err
+            client.resume()
+        adapter.prune()
 
     def _send(self, client: VLLMServerClient, sender: GlooSender, version: str) -> None:
         """One update session on ``client``: every weight, in the manifest's order. If this side fails half
@@ -308,10 +356,6 @@ class VLLMServer:
         if failure is not None:
             raise failure
 
-    def is_stale(self) -> bool:
-        """Whether the policy's weights may have changed since the last sync."""
-        return self.weights_version() != self._synced_version
-
     def sync_if_stale(self) -> None:
         """Sync the servers when the policy's weights may have changed since the last sync (any process's:
         under several processes a collective, so every process calls it)."""
@@ -359,6 +403,7 @@ class VLLMServer:
                 "ignore_eos": True,  # only the trainer's stop tokens end a row
                 "stop_token_ids": list(settings.stop_token_ids),
                 "logprobs": 0 if settings.return_logprobs else None,
+                **self._model_field(),
             }
             futures.append(self._pool.submit(self.clients[i // block].complete, row, params))
         width = settings.max_new_tokens
@@ -380,6 +425,10 @@ class VLLMServer:
         device = query_ids.device
         return Samples(tokens.to(device), logprobs.to(device) if logprobs is not None else None, None)
 
+    def _model_field(self) -> dict[str, str]:
+        """Adapter-only sync: completions name the adapter, which vLLM applies on the base weights."""
+        return {} if self.adapter is None else {"model": self.adapter.lora_name}
+
     def completion_logprobs(
         self, prompts: list[list[int]], completions: list[list[int]], server: int = 0
     ) -> list[torch.Tensor]:
@@ -392,6 +441,7 @@ class VLLMServer:
         for prompt, completion in zip(prompts, completions, strict=True):
             body = {
                 "model": client.model_id,
+                **self._model_field(),
                 "prompt": list(prompt) + list(completion),
                 "max_tokens": 1,
                 "temperature": 1.0,

@@ -216,6 +216,21 @@ class OnPolicyConfig(ReliabilityArguments, TrainingArguments):
             "uses vllm_group_port + i); the servers must reach it. 0: any free port."
         },
     )
+    vllm_lora_sync: str = field(
+        default="merged",
+        metadata={
+            "help": "vllm_mode='server' with a LoRA adapter: 'merged' sends the adapter merged into every "
+            "weight (any server); 'adapter' sends only the adapter, written to vllm_lora_dir and loaded by "
+            "each server as a vLLM LoRA adapter (rlhf-trainers vllm-serve --enable_lora)."
+        },
+    )
+    vllm_lora_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "vllm_lora_sync='adapter': the folder the adapter's versions are written to, which the "
+            "servers must read at the same path (a shared filesystem). None: <output_dir>/vllm-lora."
+        },
+    )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
         metadata={

@@ -110,6 +110,16 @@ def check_vllm_fields(config: Any, problems: ConfigProblems) -> None:
         )
     if not config.use_vllm:
         return
+    if config.vllm_lora_sync not in ("merged", "adapter"):
+        problems.add(
+            f"vllm_lora_sync={config.vllm_lora_sync!r}: expected 'merged' (the adapter merged into the weights "
+            "sent) or 'adapter' (only the adapter, loaded by vLLM servers started with --enable_lora)."
+        )
+    elif config.vllm_lora_sync == "adapter" and config.vllm_mode != "server":
+        problems.add(
+            "vllm_lora_sync='adapter' is for vllm_mode='server' (servers load the adapter from a shared folder); "
+            "a colocated engine takes the merged weights in memory: leave vllm_lora_sync='merged'."
+        )
     if config.vllm_mode not in VLLM_MODES:
         problems.add(
             f"vllm_mode={config.vllm_mode!r}: expected 'colocate' (an engine inside each training process) or "

@@ -7,11 +7,12 @@ against it needs (``vllm_mode="server"``, docs/generation.md):
 - log-probs after the temperature (``--logprobs-mode processed_logprobs``) and no sampling defaults from the
   model's ``generation_config.json`` (``--generation-config vllm``), so the server samples the distribution
   the trainer trains;
+- with ``--enable_lora``: LoRA adapters loaded at run time (``vllm_lora_sync="adapter"``);
 - on CPU: eager mode, KV blocks of 32 tokens with prefix caching, no chunked prefill (a chunked request's
   seeded generator cannot be rewound on CPU) and ``--kv_cache_space_gib`` of KV cache.
 
 It runs vLLM's server in place of this process (``exec``), so signals and the exit status are vLLM's. The
-flags after ``--`` go to vLLM unchanged (e.g. ``-- --enable-lora``)::
+flags after ``--`` go to vLLM unchanged (e.g. ``-- --max-num-seqs 64``)::
 
     rlhf-trainers vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --tensor_parallel_size 2 --port 8000
     rlhf-trainers vllm-serve --model ./my-policy --print_command   # the command only
@@ -55,6 +56,18 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible"
     )
+    parser.add_argument(
+        "--enable_lora",
+        action="store_true",
+        help="serve LoRA adapters loaded at run time, for vllm_lora_sync='adapter' (vLLM's --enable-lora, "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
+    parser.add_argument(
+        "--max_lora_rank",
+        type=int,
+        default=64,
+        help="with --enable_lora: the largest adapter rank r served (one of vLLM's: 8, 16, 32, 64, 128, ...)",
+    )
     parser.add_argument("--print_command", action="store_true", help="print the command and its environment")
     return parser
 
@@ -82,6 +95,9 @@ def server_command(args: argparse.Namespace, extra: Sequence[str] = ()) -> tuple
     if args.max_model_len is not None:
         command += ["--max-model-len", str(args.max_model_len)]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if args.enable_lora:  # one adapter (the policy's), replaced in place at every sync
+        command += ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if _on_gpu(args.device):
         command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     else:

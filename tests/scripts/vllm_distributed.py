@@ -1,6 +1,7 @@
 """PPO or RLOO with ``use_vllm=True`` on N CPU ranks (DDP, or DeepSpeed ZeRO-2/3 by the accelerate config it
 is launched with): one colocated vLLM engine per rank, synced from that rank's policy (ZeRO-3: gathered
-module by module; ``--lora``: the adapter merged into the synced weights).
+module by module; ``--lora``: the adapter merged into the synced weights), or with
+``--vllm_server_base_url`` one vLLM server for every rank, synced by the first.
 
 Trains the offline kit's ``llama-hd32-sft`` (head size 32, which vLLM's CPU attention runs) against
 :func:`rlhf_trainers.testing.true_reward`, evaluates before and after, and writes
@@ -37,6 +38,12 @@ def main() -> None:
         default="auto",
         help="'generation': vLLM's log-probs as the rollout's (no policy forward pass)",
     )
+    parser.add_argument(
+        "--vllm_server_base_url",
+        default=None,
+        help="generate on this vLLM server (vllm_mode='server'; the first process syncs it) instead of an "
+        "engine per process",
+    )
     cli = parse_onpolicy_args(parser)
     kit = get_kit()
     peft_config = None
@@ -49,6 +56,8 @@ def main() -> None:
             r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0
         )
     fields = {**onpolicy_config_kwargs(cli), "use_vllm": True, "rollout_logprobs": cli.rollout_logprobs}
+    if cli.vllm_server_base_url:
+        fields.update(vllm_mode="server", vllm_server_base_url=cli.vllm_server_base_url)
     config = RLOOConfig(**fields, rloo_k=4) if cli.trainer == "rloo" else PPOConfig(**fields)
     trainer_cls = RLOOTrainer if cli.trainer == "rloo" else PPOTrainer
     trainer = trainer_cls(
