@@ -24,6 +24,8 @@ run's median ``timing/generate`` and training its median ``timing/step - timing/
 
     python benchmarks/async_rollouts.py --trainers rloo,grpo --modes sync,async,colocated --seeds 0
     python benchmarks/async_rollouts.py --trainers rloo --modes sync,async --seeds 0,1,2 --tag _curves
+    python benchmarks/async_rollouts.py --trainers grpo --modes sync --server-args "--enable_lora --max_lora_rank 16" \
+        --overrides '{"vllm_lora_sync": "adapter"}' --tag _adapter   # only the LoRA adapter synced
 
 Writes ``<out>/async_rollouts<tag>.json`` and ``.md`` (``--render FILE.json`` rewrites the ``.md``).
 """
@@ -198,7 +200,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def start_server(
-    python: str, env: dict[str, str], port: int, log: Path, response_length: int
+    python: str, env: dict[str, str], port: int, log: Path, extra: list[str]
 ) -> subprocess.Popen:
     from rlhf_trainers.testing.smollm2 import smollm2_folder
 
@@ -214,6 +216,7 @@ def start_server(
         str(smollm2_folder()),
     ]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "1024"]
+    command += extra
     server_env = {**env, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -246,6 +249,9 @@ def main() -> None:
     parser.add_argument(
         "--overrides", default="{}", help="config fields for every run, as JSON: '{\"learning_rate\": 3e-4}'"
     )
+    parser.add_argument(
+        "--server-args", default="", help="more vllm-serve flags, e.g. '--enable_lora --max_lora_rank 16'"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--render", help="rewrite the .md of this result JSON and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -270,6 +276,7 @@ def main() -> None:
         "k": args.k,
         "response_length": args.response_length,
         "eval_prompts": args.eval_prompts,
+        "server_args": args.server_args,
         "overrides": json.loads(args.overrides),
     }
     result: dict[str, Any] = {
@@ -284,7 +291,7 @@ def main() -> None:
     server = None
     if any(m != "colocated" for m in modes):
         server = start_server(
-            python, env, args.port, Path(f"/tmp/async-bench-server-{args.port}.log"), args.response_length
+            python, env, args.port, Path(f"/tmp/async-bench-server-{args.port}.log"), args.server_args.split()
         )
     try:
         for seed in [int(s) for s in args.seeds.split(",")]:
