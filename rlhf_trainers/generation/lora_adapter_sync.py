@@ -84,11 +84,9 @@ class AdapterPublisher:
         self.lora_name = "rlhf-" + hashlib.sha1(str(self.folder).encode()).hexdigest()[:12]
         self.rank = int(self.config.r)
         self.version = 0
-        self._trainable_outside_adapter = [
-            n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n
-        ]
-        if self._trainable_outside_adapter:
-            shown = ", ".join(self._trainable_outside_adapter[:4])
+        outside = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+        if outside:
+            shown = ", ".join(outside[:4])
             raise ValueError(
                 f"vllm_lora_sync='adapter': the policy trains weights outside the LoRA adapter ({shown}...), "
                 "which an adapter-only sync would never send; freeze them, or use vllm_lora_sync='merged'."
